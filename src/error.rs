@@ -1,0 +1,174 @@
+//! The one error type of the crate.
+
+use std::path::PathBuf;
+
+/// The result type of every fallible call in this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, named after the operation that failed.
+///
+/// The `Display` text says what failed and what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The state folder could not be created or opened.
+    #[error("cannot open state folder {path}: {source}; check that it exists and is writable")]
+    Open {
+        /// The state folder.
+        path: PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+
+    /// Another process (or another guard in this one) holds the state folder.
+    #[error(
+        "state folder {path} is in use by another replayguard instance; stop it, or give this one its own --state folder"
+    )]
+    InUse {
+        /// The state folder.
+        path: PathBuf,
+    },
+
+    /// The folder is not empty and was not written by replayguard.
+    #[error(
+        "{path} is not a replayguard state folder (it is not empty and has no REPLAYGUARD marker); refusing to touch it: point --state at an empty or new folder"
+    )]
+    ForeignState {
+        /// The folder.
+        path: PathBuf,
+    },
+
+    /// The state was written by a format version this build does not know.
+    #[error(
+        "state folder {path} has format version {found}, but this build reads only version {supported}; use a replayguard release that matches it"
+    )]
+    UnsupportedVersion {
+        /// The state folder.
+        path: PathBuf,
+        /// The version found on disk.
+        found: u32,
+        /// The version this build reads and writes.
+        supported: u32,
+    },
+
+    /// The state is damaged: a checksum failed, a key or value is malformed, or a part is missing.
+    #[error(
+        "state folder {path} is corrupt ({what}); nothing was reset: restore it from a backup, or move it aside to start empty and let the pipeline reconcile from its output"
+    )]
+    Corrupt {
+        /// The state folder.
+        path: PathBuf,
+        /// What was found wrong.
+        what: String,
+    },
+
+    /// The storage engine failed while reading or writing.
+    #[error(
+        "state store I/O failed in {path}: {source}; the guard is stopped, reopen it after fixing the disk"
+    )]
+    Store {
+        /// The state folder.
+        path: PathBuf,
+        /// The underlying storage error.
+        #[source]
+        source: StoreError,
+    },
+
+    /// An earlier write or fsync failed, so the guard refuses further work.
+    #[error(
+        "the guard is poisoned by an earlier failed write ({cause}); reopen it to recover from the last durable state"
+    )]
+    Poisoned {
+        /// The first failure.
+        cause: String,
+    },
+
+    /// A caller passed an invalid option or argument.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A lane id that this guard did not hand out, or one that was released.
+    #[error("unknown lane {0}: it was released or belongs to another guard")]
+    UnknownLane(u32),
+
+    /// A Kafka client call failed.
+    #[error("kafka {operation} failed: {source}")]
+    Kafka {
+        /// What was being done.
+        operation: String,
+        /// The client error.
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
+
+    /// A Kafka topic does not exist.
+    #[error("topic {topic:?} does not exist on {brokers}; create it first or check the name")]
+    UnknownTopic {
+        /// The topic.
+        topic: String,
+        /// The bootstrap servers asked.
+        brokers: String,
+    },
+
+    /// No broker answered within the retry budget.
+    #[error(
+        "no broker reachable at {brokers} after {attempts} attempts ({last}); check --brokers and that the broker is up"
+    )]
+    Unreachable {
+        /// The bootstrap servers tried.
+        brokers: String,
+        /// How many attempts were made.
+        attempts: u32,
+        /// The last error.
+        last: String,
+    },
+
+    /// The user's processing function failed.
+    #[error("the processing function failed on {topic}[{partition}]@{offset}: {message}")]
+    Process {
+        /// Input topic.
+        topic: String,
+        /// Input partition.
+        partition: i32,
+        /// Input offset.
+        offset: i64,
+        /// The function's error text.
+        message: String,
+    },
+
+    /// An I/O error outside the store.
+    #[error("I/O failed: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// An error from the embedded storage engine, with a readable `Display`.
+#[derive(Debug)]
+pub struct StoreError(pub fjall::Error);
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            fjall::Error::Io(e) => write!(f, "{e}"),
+            fjall::Error::Poisoned => {
+                f.write_str("the store refused a write after an earlier failure")
+            }
+            fjall::Error::Locked => f.write_str("the store is locked by another process"),
+            fjall::Error::Storage(e) => write!(f, "storage engine: {e}"),
+            other => write!(f, "storage engine: {other}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl Error {
+    /// True for errors that poison a guard: a failed write or fsync.
+    #[must_use]
+    pub fn is_poisoning(&self) -> bool {
+        matches!(self, Error::Store { .. } | Error::Io(_))
+    }
+}

@@ -1,0 +1,614 @@
+//! The fjall-backed state: epoch chunks, the lane table and the manifest.
+//!
+//! Layout of a state folder:
+//!
+//! - `REPLAYGUARD`: a marker file naming the format version. A non-empty
+//!   folder without it is refused as foreign.
+//! - `db/`: a fjall database with three keyspaces:
+//!   - `meta`: `format` (magic and version) and `manifest` (checksummed JSON).
+//!   - `lanes`: lane id (u32, big-endian) to `{topic, partition}` JSON.
+//!   - `chunks`: `epoch (u64 BE) | lane (u32 BE) | seq (u64 BE)` to a packed
+//!     chunk of what that lane handled in that epoch: many fingerprints in
+//!     one value, so the write path does one insert per batch, not one per
+//!     record. An epoch is dropped by deleting its few chunk keys.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
+use roaring::RoaringTreemap;
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::{Error, Result, StoreError};
+
+/// The on-disk format version this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+const MARKER: &str = "REPLAYGUARD";
+const MAGIC: &[u8; 8] = b"RPGUARD\0";
+const CHUNK_VERSION: u8 = 1;
+
+/// A topic partition, as the engine names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LaneName {
+    /// Topic (or any stream name).
+    pub topic: String,
+    /// Partition number.
+    pub partition: i32,
+}
+
+impl std::fmt::Display for LaneName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]", self.topic, self.partition)
+    }
+}
+
+/// One lane's position in a manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LanePosition {
+    /// The lane.
+    #[serde(flatten)]
+    pub lane: LaneName,
+    /// The next offset to read: everything before it was handled.
+    pub next_offset: u64,
+}
+
+/// A live epoch as the manifest lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochInfo {
+    /// Epoch number.
+    pub epoch: u64,
+    /// When the epoch was opened (ms since the Unix epoch).
+    pub opened_at_ms: u64,
+    /// When the checkpoint that closed it completed, if it is closed.
+    pub closed_at_ms: Option<u64>,
+}
+
+/// The truth about a guard, written atomically and fsynced at each checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version of the state.
+    pub format: u32,
+    /// The open epoch after this checkpoint (equal to the checkpoint number).
+    pub epoch: u64,
+    /// Next position of every lane the guard has seen.
+    pub positions: Vec<LanePosition>,
+    /// Opaque bytes from the caller, for example output end offsets.
+    pub sink: Vec<u8>,
+    /// Live epochs, oldest first; the last is the open one.
+    pub epochs: Vec<EpochInfo>,
+    /// When this checkpoint completed (ms since the Unix epoch).
+    pub checkpointed_at_ms: u64,
+}
+
+/// What one lane handled in one epoch, as stored in one chunk.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Chunk {
+    /// 128-bit content fingerprints.
+    pub hashes: Vec<u128>,
+    /// Offsets handled.
+    pub offsets: RoaringTreemap,
+    /// User-supplied ids handled.
+    pub ids: RoaringTreemap,
+}
+
+impl Chunk {
+    /// True when the chunk holds nothing.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty() && self.offsets.is_empty() && self.ids.is_empty()
+    }
+
+    /// Number of entries (hashes, offsets and ids).
+    #[must_use]
+    pub fn len(&self) -> u64 {
+        self.hashes.len() as u64 + self.offsets.len() + self.ids.len()
+    }
+
+    /// Encodes the chunk: version, hashes, two roaring bitmaps, checksum.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(
+            1 + 4
+                + self.hashes.len() * 16
+                + 8
+                + self.offsets.serialized_size()
+                + self.ids.serialized_size()
+                + 8,
+        );
+        out.push(CHUNK_VERSION);
+        out.extend_from_slice(&(self.hashes.len() as u32).to_le_bytes());
+        for h in &self.hashes {
+            out.extend_from_slice(&h.to_le_bytes());
+        }
+        for map in [&self.offsets, &self.ids] {
+            out.extend_from_slice(&(map.serialized_size() as u32).to_le_bytes());
+            map.serialize_into(&mut out)?;
+        }
+        let sum = xxh3_64(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
+        Ok(out)
+    }
+
+    /// Decodes a chunk, verifying its checksum.
+    pub fn decode(bytes: &[u8]) -> std::result::Result<Self, String> {
+        let (body, sum) = bytes
+            .split_at_checked(bytes.len().saturating_sub(8))
+            .ok_or("chunk too short")?;
+        let sum: [u8; 8] = sum.try_into().map_err(|_| "chunk too short")?;
+        if xxh3_64(body) != u64::from_le_bytes(sum) {
+            return Err("chunk checksum mismatch".into());
+        }
+        let mut r = Reader(body);
+        let version = r.take(1)?[0];
+        if version != CHUNK_VERSION {
+            return Err(format!("unknown chunk version {version}"));
+        }
+        let n = r.u32()? as usize;
+        let raw = r.take(n.checked_mul(16).ok_or("bad hash count")?)?;
+        let hashes = raw
+            .chunks_exact(16)
+            .map(|c| u128::from_le_bytes(c.try_into().unwrap_or([0; 16])))
+            .collect();
+        let mut maps = [RoaringTreemap::new(), RoaringTreemap::new()];
+        for map in &mut maps {
+            let len = r.u32()? as usize;
+            *map = RoaringTreemap::deserialize_from(r.take(len)?)
+                .map_err(|e| format!("bad bitmap: {e}"))?;
+        }
+        if !r.0.is_empty() {
+            return Err("trailing bytes in chunk".into());
+        }
+        let [offsets, ids] = maps;
+        Ok(Chunk {
+            hashes,
+            offsets,
+            ids,
+        })
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
+        let (head, tail) = self.0.split_at_checked(n).ok_or("chunk truncated")?;
+        self.0 = tail;
+        Ok(head)
+    }
+    fn u32(&mut self) -> std::result::Result<u32, String> {
+        let b: [u8; 4] = self.take(4)?.try_into().map_err(|_| "chunk truncated")?;
+        Ok(u32::from_le_bytes(b))
+    }
+}
+
+/// The key of a chunk.
+#[must_use]
+pub fn chunk_key(epoch: u64, lane: u32, seq: u64) -> [u8; 20] {
+    let mut k = [0u8; 20];
+    k[..8].copy_from_slice(&epoch.to_be_bytes());
+    k[8..12].copy_from_slice(&lane.to_be_bytes());
+    k[12..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn parse_chunk_key(k: &[u8]) -> Option<(u64, u32, u64)> {
+    let k: &[u8; 20] = k.try_into().ok()?;
+    let epoch = u64::from_be_bytes(k[..8].try_into().ok()?);
+    let lane = u32::from_be_bytes(k[8..12].try_into().ok()?);
+    let seq = u64::from_be_bytes(k[12..].try_into().ok()?);
+    Some((epoch, lane, seq))
+}
+
+/// How hard a chunk write tries to reach the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// Each chunk is handed to the operating system (`write`) but not
+    /// fsynced. It survives a crash or `kill -9` of the process; an OS crash
+    /// or power loss can lose what was written since the last checkpoint
+    /// (which is always fsynced). Records lost that way are delivered again
+    /// (or, in a pipeline, recovered from the output), never dropped.
+    #[default]
+    Process,
+    /// Each chunk is fdatasynced: it survives power loss too, at about
+    /// 165 µs a chunk on these machines.
+    Sync,
+}
+
+impl Durability {
+    fn mode(self) -> PersistMode {
+        match self {
+            Durability::Process => PersistMode::Buffer,
+            Durability::Sync => PersistMode::SyncData,
+        }
+    }
+}
+
+/// A chunk to be written.
+pub struct ChunkWrite<'a> {
+    /// Epoch it belongs to.
+    pub epoch: u64,
+    /// Lane id.
+    pub lane: u32,
+    /// Sequence within (epoch, lane).
+    pub seq: u64,
+    /// The content.
+    pub chunk: &'a Chunk,
+}
+
+/// The opened store.
+pub struct Store {
+    path: PathBuf,
+    db: Database,
+    meta: Keyspace,
+    lanes: Keyspace,
+    chunks: Keyspace,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What recovery read from disk.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The latest durable manifest, if any checkpoint completed.
+    pub manifest: Option<Manifest>,
+    /// Every lane ever recorded.
+    pub lanes: Vec<(u32, LaneName)>,
+}
+
+impl Store {
+    /// Opens (or creates) the state folder.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ForeignState`], [`Error::UnsupportedVersion`],
+    /// [`Error::Corrupt`], [`Error::InUse`] or [`Error::Open`], each naming
+    /// the folder.
+    pub fn open(path: &Path) -> Result<(Self, Loaded)> {
+        let open_err = |source| Error::Open {
+            path: path.to_owned(),
+            source,
+        };
+        std::fs::create_dir_all(path).map_err(open_err)?;
+        let marker = path.join(MARKER);
+        match std::fs::read_to_string(&marker) {
+            Ok(text) => check_marker(path, &text)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let mut entries = std::fs::read_dir(path).map_err(open_err)?;
+                if entries.next().is_some() {
+                    return Err(Error::ForeignState {
+                        path: path.to_owned(),
+                    });
+                }
+                write_marker(path).map_err(open_err)?;
+            }
+            Err(e) => return Err(open_err(e)),
+        }
+        let db_path = path.join("db");
+        let db = Database::builder(&db_path).open().map_err(|e| match e {
+            fjall::Error::Locked => Error::InUse {
+                path: path.to_owned(),
+            },
+            fjall::Error::Io(source) if source.kind() == std::io::ErrorKind::PermissionDenied => {
+                Error::Open {
+                    path: path.to_owned(),
+                    source,
+                }
+            }
+            other => Error::Corrupt {
+                path: path.to_owned(),
+                what: format!("the database does not open: {}", StoreError(other)),
+            },
+        })?;
+        let ks = |name: &str| {
+            db.keyspace(name, KeyspaceCreateOptions::default)
+                .map_err(|e| store_err(path, e))
+        };
+        let store = Store {
+            path: path.to_owned(),
+            meta: ks("meta")?,
+            lanes: ks("lanes")?,
+            chunks: ks("chunks")?,
+            db,
+        };
+        let loaded = store.load_meta()?;
+        Ok((store, loaded))
+    }
+
+    /// The state folder.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn corrupt(&self, what: impl Into<String>) -> Error {
+        Error::Corrupt {
+            path: self.path.clone(),
+            what: what.into(),
+        }
+    }
+
+    fn err(&self, e: fjall::Error) -> Error {
+        store_err(&self.path, e)
+    }
+
+    fn load_meta(&self) -> Result<Loaded> {
+        match self.meta.get("format").map_err(|e| self.err(e))? {
+            Some(v) => {
+                if v.len() != 12 || &v[..8] != MAGIC {
+                    return Err(self.corrupt("the format key has no replayguard magic"));
+                }
+                let found = u32::from_be_bytes([v[8], v[9], v[10], v[11]]);
+                if found != FORMAT_VERSION {
+                    return Err(Error::UnsupportedVersion {
+                        path: self.path.clone(),
+                        found,
+                        supported: FORMAT_VERSION,
+                    });
+                }
+            }
+            None => {
+                // A folder whose creation was interrupted has the marker and
+                // nothing else. Anything more without the format key is damage.
+                if self
+                    .meta
+                    .get("manifest")
+                    .map_err(|e| self.err(e))?
+                    .is_some()
+                    || self.chunks.first_key_value().is_some()
+                {
+                    return Err(self.corrupt("the format key is missing"));
+                }
+                let mut v = MAGIC.to_vec();
+                v.extend_from_slice(&FORMAT_VERSION.to_be_bytes());
+                let mut b = self.db.batch().durability(Some(PersistMode::SyncData));
+                b.insert(&self.meta, "format", v);
+                b.commit().map_err(|e| self.err(e))?;
+            }
+        }
+        let manifest = match self.meta.get("manifest").map_err(|e| self.err(e))? {
+            None => None,
+            Some(v) => Some(decode_manifest(&v).map_err(|w| self.corrupt(w))?),
+        };
+        let mut lanes = Vec::new();
+        for g in self.lanes.iter() {
+            let (k, v) = g.into_inner().map_err(|e| self.err(e))?;
+            let id: [u8; 4] = (*k)
+                .try_into()
+                .map_err(|_| self.corrupt("a lane key is malformed"))?;
+            let name: LaneName = serde_json::from_slice(&v)
+                .map_err(|e| self.corrupt(format!("a lane entry is malformed: {e}")))?;
+            lanes.push((u32::from_be_bytes(id), name));
+        }
+        Ok(Loaded { manifest, lanes })
+    }
+
+    /// Streams every chunk of the epochs at or after `oldest`, calling `f`
+    /// with (epoch, lane, chunk). Chunks of older epochs are left over from a
+    /// drop that a crash interrupted; they are deleted.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed key or chunk; [`Error::Store`] for I/O.
+    pub fn load_chunks(
+        &self,
+        oldest: u64,
+        mut f: impl FnMut(u64, u32, Chunk) -> Result<()>,
+    ) -> Result<()> {
+        if oldest > 0 {
+            self.drop_epochs_before(oldest)?;
+        }
+        for g in self.chunks.range(chunk_key(oldest, 0, 0)..) {
+            let (k, v) = g.into_inner().map_err(|e| self.err(e))?;
+            let (epoch, lane, seq) =
+                parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
+            let chunk = Chunk::decode(&v)
+                .map_err(|w| self.corrupt(format!("chunk {epoch}/{lane}/{seq}: {w}")))?;
+            f(epoch, lane, chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Calls `f(lane, seq)` for every chunk key of `epoch` (keys only).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed key; [`Error::Store`] for I/O.
+    pub fn chunk_seqs(&self, epoch: u64, mut f: impl FnMut(u32, u64)) -> Result<()> {
+        for g in self.chunks.prefix(epoch.to_be_bytes()) {
+            let k = g.key().map_err(|e| self.err(e))?;
+            let (_, lane, seq) =
+                parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
+            f(lane, seq);
+        }
+        Ok(())
+    }
+
+    /// Writes chunks and new lane entries in one atomic batch.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if the write or sync failed.
+    pub fn write(
+        &self,
+        chunks: &[ChunkWrite<'_>],
+        new_lanes: &[(u32, &LaneName)],
+        manifest: Option<&Manifest>,
+        durability: Durability,
+    ) -> Result<()> {
+        let mut b = self.db.batch();
+        for (id, name) in new_lanes {
+            let v = serde_json::to_vec(name)
+                .map_err(|e| self.corrupt(format!("lane encoding: {e}")))?;
+            b.insert(&self.lanes, id.to_be_bytes(), v);
+        }
+        for c in chunks {
+            b.insert(
+                &self.chunks,
+                chunk_key(c.epoch, c.lane, c.seq),
+                c.chunk.encode()?,
+            );
+        }
+        let mode = if let Some(m) = manifest {
+            b.insert(&self.meta, "manifest", encode_manifest(m)?);
+            PersistMode::SyncData
+        } else {
+            durability.mode()
+        };
+        if b.is_empty() {
+            return Ok(());
+        }
+        fail_point("store-write")?;
+        b.durability(Some(mode)).commit().map_err(|e| self.err(e))
+    }
+
+    /// Deletes every chunk of the epochs before `oldest`: a few keys per
+    /// (epoch, lane), never one per fingerprint.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if the delete failed.
+    pub fn drop_epochs_before(&self, oldest: u64) -> Result<usize> {
+        let mut b = self.db.batch();
+        for g in self.chunks.range(..chunk_key(oldest, 0, 0)) {
+            let k = g.key().map_err(|e| self.err(e))?;
+            b.remove(&self.chunks, k);
+        }
+        let n = b.len();
+        if n > 0 {
+            b.durability(Some(PersistMode::Buffer))
+                .commit()
+                .map_err(|e| self.err(e))?;
+        }
+        Ok(n)
+    }
+
+    /// Bytes on disk.
+    #[must_use]
+    pub fn disk_bytes(&self) -> u64 {
+        self.db.disk_space().unwrap_or(0)
+    }
+}
+
+fn store_err(path: &Path, e: fjall::Error) -> Error {
+    Error::Store {
+        path: path.to_owned(),
+        source: StoreError(e),
+    }
+}
+
+fn check_marker(path: &Path, text: &str) -> Result<()> {
+    let mut lines = text.lines();
+    if lines.next() != Some("replayguard state") {
+        return Err(Error::Corrupt {
+            path: path.to_owned(),
+            what: format!("{MARKER} does not start with 'replayguard state'"),
+        });
+    }
+    let found = lines
+        .next()
+        .and_then(|l| l.strip_prefix("format "))
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .ok_or_else(|| Error::Corrupt {
+            path: path.to_owned(),
+            what: format!("{MARKER} has no format line"),
+        })?;
+    if found != FORMAT_VERSION {
+        return Err(Error::UnsupportedVersion {
+            path: path.to_owned(),
+            found,
+            supported: FORMAT_VERSION,
+        });
+    }
+    Ok(())
+}
+
+fn write_marker(path: &Path) -> std::io::Result<()> {
+    let tmp = path.join(format!("{MARKER}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    writeln!(f, "replayguard state\nformat {FORMAT_VERSION}")?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path.join(MARKER))?;
+    std::fs::File::open(path)?.sync_all()
+}
+
+fn encode_manifest(m: &Manifest) -> Result<Vec<u8>> {
+    let json =
+        serde_json::to_vec(m).map_err(|e| Error::Config(format!("manifest encoding: {e}")))?;
+    let mut out = xxh3_64(&json).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+fn decode_manifest(v: &[u8]) -> std::result::Result<Manifest, String> {
+    let (sum, json) = v.split_at_checked(8).ok_or("the manifest is truncated")?;
+    let sum: [u8; 8] = sum.try_into().map_err(|_| "the manifest is truncated")?;
+    if xxh3_64(json) != u64::from_le_bytes(sum) {
+        return Err("the manifest checksum does not match".into());
+    }
+    let m: Manifest =
+        serde_json::from_slice(json).map_err(|e| format!("the manifest is malformed: {e}"))?;
+    if m.format != FORMAT_VERSION {
+        return Err(format!("the manifest names format {}", m.format));
+    }
+    Ok(m)
+}
+
+/// Test-only fault injection: when the environment variable
+/// `REPLAYGUARD_FAIL_AT` equals `name`, the write fails as a disk would.
+fn fail_point(name: &str) -> Result<()> {
+    if cfg!(any(test, feature = "fault-injection"))
+        && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
+    {
+        return Err(Error::Io(std::io::Error::other(format!(
+            "injected failure at {name}"
+        ))));
+    }
+    Ok(())
+}
+
+/// Milliseconds since the Unix epoch.
+#[must_use]
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn chunk_round_trips_and_detects_damage() -> Result<()> {
+        let mut c = Chunk {
+            hashes: vec![1, u128::MAX, 77],
+            ..Chunk::default()
+        };
+        c.offsets.insert_range(10..5000);
+        c.ids.insert(42);
+        let bytes = c.encode()?;
+        assert_eq!(Chunk::decode(&bytes).map_err(Error::Config)?, c);
+        for i in [0, 3, bytes.len() / 2, bytes.len() - 1] {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x40;
+            assert!(Chunk::decode(&bad).is_err(), "flip at {i} not caught");
+        }
+        assert!(Chunk::decode(&bytes[..bytes.len() - 3]).is_err());
+        assert!(Chunk::decode(&[]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn keys_sort_by_epoch_then_lane() {
+        assert!(chunk_key(1, 9, 9) < chunk_key(2, 0, 0));
+        assert!(chunk_key(256, 0, 0) > chunk_key(255, u32::MAX, u64::MAX));
+        assert_eq!(parse_chunk_key(&chunk_key(5, 6, 7)), Some((5, 6, 7)));
+    }
+}
