@@ -65,6 +65,7 @@ mod error;
 pub mod fingerprint;
 mod guard;
 mod index;
+pub mod kafka;
 pub mod store;
 
 pub use error::{Error, Result, StoreError};

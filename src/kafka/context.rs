@@ -1,0 +1,456 @@
+//! The state shared by a guarded consumer or pipeline, its producer's
+//! delivery callbacks and its rebalance callbacks; and the consumer context.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::error::KafkaResult;
+use rdkafka::producer::{Producer, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use serde::{Deserialize, Serialize};
+
+use super::pipeline::{DeliveryContext, Mode};
+use super::reconcile::Reconciler;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::guard::{Guard, LaneId};
+
+/// One input record whose outputs are not all acked yet.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    pub remaining: u32,
+    pub fp: Option<Fingerprint>,
+}
+
+/// What the adapter knows of one input partition in this session.
+#[derive(Debug, Default)]
+pub(crate) struct Track {
+    pub lane: Option<LaneId>,
+    /// The next offset to dispatch; records below it were dispatched (or
+    /// were below the start position) and are skipped. `None` until the
+    /// first record when the start position was not known.
+    pub next: Option<i64>,
+    /// Dispatched but not yet handled (outputs not acked, or not acked by
+    /// the application).
+    pub inflight: BTreeMap<i64, Pending>,
+}
+
+impl Track {
+    /// The position that may be committed: nothing before it is unhandled.
+    pub fn position(&self) -> Option<i64> {
+        self.inflight.keys().next().copied().or(self.next)
+    }
+}
+
+/// The sink positions stored in the manifest and in commit metadata: where
+/// output reconciliation starts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SinkPositions {
+    /// Output topic.
+    #[serde(rename = "t")]
+    pub topic: String,
+    /// Output partition to the next offset after the last acked output.
+    #[serde(rename = "e")]
+    pub ends: BTreeMap<i32, i64>,
+}
+
+/// Counters shared across threads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub records_in: u64,
+    pub duplicates: u64,
+    pub outputs: u64,
+    pub checkpoints: u64,
+}
+
+pub(crate) struct Shared {
+    pub guard: Option<Guard>,
+    pub tracks: HashMap<String, HashMap<i32, Track>>,
+    pub sink: Option<SinkPositions>,
+    pub failure: Option<String>,
+    pub counters: Counters,
+}
+
+impl Shared {
+    pub fn track(&mut self, topic: &str, partition: i32) -> &mut Track {
+        if !self.tracks.contains_key(topic) {
+            self.tracks.insert(topic.to_owned(), HashMap::new());
+        }
+        self.tracks
+            .get_mut(topic)
+            .map(|m| m.entry(partition).or_default())
+            .unwrap_or_else(|| unreachable!("inserted above"))
+    }
+
+    pub fn lane(&mut self, topic: &str, partition: i32) -> Option<LaneId> {
+        if let Some(l) = self
+            .tracks
+            .get(topic)
+            .and_then(|m| m.get(&partition))
+            .and_then(|t| t.lane)
+        {
+            return Some(l);
+        }
+        let lane = self.guard.as_mut()?.lane(topic, partition);
+        self.track(topic, partition).lane = Some(lane);
+        Some(lane)
+    }
+
+    /// One output of the input at `offset` was acked (or, for a guarded
+    /// consumer, the application acked it). Records the input as handled
+    /// when it was the last.
+    pub fn complete(&mut self, topic: &str, partition: i32, offset: i64) -> Result<()> {
+        let Some(track) = self
+            .tracks
+            .get_mut(topic)
+            .and_then(|m| m.get_mut(&partition))
+        else {
+            return Ok(());
+        };
+        let Some(p) = track.inflight.get_mut(&offset) else {
+            return Ok(());
+        };
+        p.remaining = p.remaining.saturating_sub(1);
+        if p.remaining > 0 {
+            return Ok(());
+        }
+        let fp = p.fp;
+        track.inflight.remove(&offset);
+        let lane = track.lane;
+        if let (Some(guard), Some(lane)) = (self.guard.as_mut(), lane) {
+            guard.record(lane, Some(offset as u64), fp)?;
+        }
+        Ok(())
+    }
+
+    /// Every partition's committable position.
+    pub fn positions(&self) -> Vec<(String, i32, i64, Option<LaneId>)> {
+        let mut out = Vec::new();
+        for (topic, parts) in &self.tracks {
+            for (p, t) in parts {
+                if let Some(pos) = t.position() {
+                    out.push((topic.clone(), *p, pos, t.lane));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.tracks
+            .values()
+            .flat_map(|m| m.values())
+            .map(|t| t.inflight.len())
+            .sum()
+    }
+
+    /// Writes the manifest (guarded mode) and returns the offsets to commit,
+    /// with the sink positions as commit metadata.
+    pub fn checkpoint(&mut self, only: Option<&TopicPartitionList>) -> Result<TopicPartitionList> {
+        let positions = self.positions();
+        let sink_json = match &self.sink {
+            Some(s) => {
+                serde_json::to_vec(s).map_err(|e| Error::Config(format!("sink encoding: {e}")))?
+            }
+            None => Vec::new(),
+        };
+        if let Some(guard) = self.guard.as_mut() {
+            let lanes: Vec<(LaneId, u64)> = positions
+                .iter()
+                .filter_map(|(_, _, pos, lane)| lane.map(|l| (l, *pos as u64)))
+                .collect();
+            guard.checkpoint(&lanes, sink_json.clone())?;
+        }
+        let meta = String::from_utf8_lossy(&sink_json).into_owned();
+        let mut tpl = TopicPartitionList::new();
+        for (topic, p, pos, _) in positions {
+            if only.is_some_and(|o| o.find_partition(&topic, p).is_none()) {
+                continue;
+            }
+            let mut e = tpl.add_partition(&topic, p);
+            e.set_offset(Offset::Offset(pos))
+                .map_err(super::setup::kafka("setting a commit offset"))?;
+            e.set_metadata(meta.clone());
+        }
+        self.counters.checkpoints += 1;
+        Ok(tpl)
+    }
+
+    pub fn fail(&mut self, what: String) {
+        tracing::error!(error = %what, "replayguard stopped");
+        self.failure.get_or_insert(what);
+    }
+}
+
+/// Everything a guarded consumer or pipeline shares between threads.
+pub(crate) struct Core {
+    pub shared: Arc<Mutex<Shared>>,
+    pub producer: Option<Arc<ThreadedProducer<DeliveryContext>>>,
+    pub reconciler: Option<Reconciler>,
+    pub mode: Mode,
+    pub flush_timeout: Duration,
+}
+
+impl Core {
+    pub fn lock(&self) -> MutexGuard<'_, Shared> {
+        // A panic while holding the lock leaves counters, not the store,
+        // half-updated; the store has its own poisoning.
+        self.shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failure.clone()
+    }
+
+    /// Waits (blocking) until every output is acked, then checkpoints.
+    /// Used from rebalance callbacks, which must finish before they return.
+    fn checkpoint_blocking(
+        &self,
+        consumer: &BaseConsumer<GuardContext>,
+        only: Option<&TopicPartitionList>,
+    ) -> Result<()> {
+        if let Some(p) = &self.producer {
+            p.flush(self.flush_timeout)
+                .map_err(super::setup::kafka("flushing outputs before a revoke"))?;
+        }
+        let tpl = {
+            let mut s = self.lock();
+            if let Some(f) = &s.failure {
+                return Err(Error::Config(format!(
+                    "not checkpointing after a failure: {f}"
+                )));
+            }
+            let unacked = only.map_or_else(
+                || s.inflight(),
+                |o| {
+                    o.elements()
+                        .iter()
+                        .filter_map(|e| s.tracks.get(e.topic()).and_then(|m| m.get(&e.partition())))
+                        .map(|t| t.inflight.len())
+                        .sum()
+                },
+            );
+            if self.producer.is_some() && unacked > 0 {
+                return Err(Error::Config(format!(
+                    "{unacked} outputs still unacked after the flush timeout"
+                )));
+            }
+            s.checkpoint(only)?
+        };
+        self.commit(consumer, &tpl, CommitMode::Sync)
+    }
+
+    /// Commits input offsets: to the group (advisory), or inside the
+    /// transaction in transactional mode.
+    pub fn commit(
+        &self,
+        consumer: &impl Consumer<GuardContext>,
+        tpl: &TopicPartitionList,
+        mode: CommitMode,
+    ) -> Result<()> {
+        if tpl.count() == 0 {
+            return Ok(());
+        }
+        if self.mode == Mode::Transactional {
+            let Some(p) = &self.producer else {
+                return Ok(());
+            };
+            let meta = consumer
+                .group_metadata()
+                .ok_or_else(|| Error::Config("transactional mode needs a consumer group".into()))?;
+            p.send_offsets_to_transaction(tpl, &meta, self.flush_timeout)
+                .map_err(super::setup::kafka("sending offsets to the transaction"))?;
+            p.commit_transaction(self.flush_timeout)
+                .map_err(super::setup::kafka("committing the transaction"))?;
+            p.begin_transaction()
+                .map_err(super::setup::kafka("beginning a transaction"))?;
+            return Ok(());
+        }
+        match consumer.commit(tpl, mode) {
+            Ok(()) => Ok(()),
+            // The manifest is the truth; a failed advisory commit only slows
+            // down a stateless newcomer.
+            Err(e) => {
+                tracing::warn!(error = %e, "advisory offset commit failed");
+                Ok(())
+            }
+        }
+    }
+
+    fn on_revoke(&self, consumer: &BaseConsumer<GuardContext>, tpl: &TopicPartitionList) {
+        let started = Instant::now();
+        let span = tracing::info_span!("replayguard_revoke", partitions = tpl.count());
+        let _e = span.enter();
+        if let Err(e) = self.checkpoint_blocking(consumer, Some(tpl)) {
+            self.lock()
+                .fail(format!("checkpoint on revoke failed: {e}"));
+            return;
+        }
+        let mut s = self.lock();
+        for e in tpl.elements() {
+            if let Some(m) = s.tracks.get_mut(e.topic()) {
+                m.remove(&e.partition());
+            }
+        }
+        metrics::histogram!("replayguard_checkpoint_seconds")
+            .record(started.elapsed().as_secs_f64());
+        tracing::info!(
+            ms = started.elapsed().as_millis() as u64,
+            "revoked partitions checkpointed"
+        );
+    }
+
+    /// Recovers arriving partitions and sets their start offsets in `tpl`.
+    fn on_assign(
+        &self,
+        consumer: &BaseConsumer<GuardContext>,
+        tpl: &mut TopicPartitionList,
+    ) -> Result<()> {
+        let started = Instant::now();
+        let span = tracing::info_span!("replayguard_recover", partitions = tpl.count());
+        let _e = span.enter();
+        let committed = consumer
+            .committed_offsets(tpl.clone(), self.flush_timeout)
+            .map_err(super::setup::kafka("reading committed offsets"))?;
+        let mut from_commits: Vec<SinkPositions> = Vec::new();
+        let mut starts = Vec::new();
+        let mut s = self.lock();
+        let manifest_sink: Option<SinkPositions> = s
+            .guard
+            .as_ref()
+            .and_then(|g| g.manifest())
+            .and_then(|m| serde_json::from_slice(&m.sink).ok());
+        for e in committed.elements() {
+            let (topic, p) = (e.topic().to_owned(), e.partition());
+            let group_pos = match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            };
+            let lane = s.lane(&topic, p);
+            let local = lane
+                .and_then(|l| s.guard.as_ref().and_then(|g| g.position(l)))
+                .map(|o| o as i64);
+            let start = match (local, group_pos) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            if group_pos > local
+                && let Ok(sink) = serde_json::from_str::<SinkPositions>(e.metadata())
+            {
+                from_commits.push(sink);
+            }
+            match (lane, local) {
+                (Some(_), None) => tracing::info!(
+                    partition = %format!("{topic}[{p}]"),
+                    start = ?start,
+                    "partition arrives with no local state: it starts at the group's committed offset, and only identities within the output reconciliation (pipeline) or handled from now on (consumer) are known"
+                ),
+                _ => {
+                    tracing::debug!(partition = %format!("{topic}[{p}]"), ?start, ?local, ?group_pos, "partition assigned")
+                }
+            }
+            let t = s.track(&topic, p);
+            t.next = start;
+            t.inflight.clear();
+            starts.push((topic, p, start));
+        }
+        drop(s);
+        if let Some(r) = &self.reconciler {
+            r.reconcile(self, manifest_sink.as_ref(), &from_commits)?;
+        }
+        for (topic, p, start) in starts {
+            if let Some(o) = start
+                && let Some(mut el) = tpl.find_partition(&topic, p)
+            {
+                el.set_offset(Offset::Offset(o))
+                    .map_err(super::setup::kafka("setting a start offset"))?;
+            }
+        }
+        let elapsed = started.elapsed();
+        metrics::histogram!("replayguard_recovery_seconds").record(elapsed.as_secs_f64());
+        tracing::info!(
+            ms = elapsed.as_millis() as u64,
+            "assigned partitions recovered"
+        );
+        Ok(())
+    }
+}
+
+/// The consumer context of guarded consumers and pipelines.
+///
+/// On revoke it checkpoints before the callback returns (the pipeline's
+/// outputs are flushed first); on assign it recovers the arriving
+/// partitions (including output reconciliation in a pipeline) and sets
+/// their start offsets before the assignment takes effect, so no record of
+/// theirs is delivered before recovery.
+pub struct GuardContext {
+    pub(crate) core: Arc<Core>,
+}
+
+impl ClientContext for GuardContext {}
+
+impl ConsumerContext for GuardContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let r: KafkaResult<()> = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                if let Err(e) = self.core.on_assign(consumer, tpl) {
+                    // Assign nothing: the failure stops the guard, and no
+                    // record is delivered unrecovered.
+                    self.core
+                        .lock()
+                        .fail(format!("recovery on assign failed: {e}"));
+                    return;
+                }
+                if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                }
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                if !consumer.assignment_lost() {
+                    self.core.on_revoke(consumer, tpl);
+                } else {
+                    tracing::warn!(
+                        "assignment lost: not committing for partitions another member may own"
+                    );
+                    let mut s = self.core.lock();
+                    for e in tpl.elements() {
+                        if let Some(m) = s.tracks.get_mut(e.topic()) {
+                            m.remove(&e.partition());
+                        }
+                    }
+                }
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                }
+            }
+            other => {
+                tracing::error!(error = ?other, "rebalance error");
+                consumer.unassign()
+            }
+        };
+        if let Err(e) = r {
+            self.core
+                .lock()
+                .fail(format!("applying the assignment failed: {e}"));
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! The rdkafka adapters.
+//!
+//! - [`GuardedConsumer`] wraps a `StreamConsumer` built from the user's own
+//!   `ClientConfig` and yields only fresh records (G2).
+//! - [`GuardedPipeline`] is consumer, then a user function, then an
+//!   idempotent producer, with output reconciliation (G1).
+//! - [`GuardContext`] is the rebalance-aware consumer context both use: on
+//!   revoke it checkpoints the leaving partitions before returning, on assign
+//!   it recovers the arriving ones before their first record is delivered.
+//!
+//! ## What the adapters change in the user's configuration
+//!
+//! - `enable.auto.commit=false` and `enable.auto.offset.store=false`: the
+//!   manifest is the truth, and group offsets are committed (advisorily) at
+//!   each checkpoint.
+//! - `group.instance.id`, when not set, is derived from the state folder
+//!   (static membership), so that a restart after `kill -9` gets its
+//!   partitions back at once instead of waiting out the session timeout.
+//! - `partition.assignment.strategy=cooperative-sticky` when not set, so that
+//!   the revoke callback can commit synchronously.
+//! - The pipeline's producer gets `enable.idempotence=true` and `acks=all`; a
+//!   configuration that turns idempotence off is refused.
+
+mod consumer;
+mod context;
+mod headers;
+mod pipeline;
+mod reconcile;
+mod setup;
+
+pub use consumer::{GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
+pub use context::GuardContext;
+pub use headers::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
+pub use pipeline::{GuardedPipeline, GuardedPipelineBuilder, Mode, OutputRecord, PipelineStats};
+
+use rdkafka::message::{Headers, Message};
+
+use crate::fingerprint::{Fingerprint, Identity};
+
+/// The content identity of a Kafka record under `identity`.
+pub(crate) fn identify(identity: &Identity, m: &impl Message) -> Option<Fingerprint> {
+    identity.fingerprint(m.key(), m.payload(), |name| {
+        let headers = m.headers()?;
+        headers.iter().find(|h| h.key == name).map(|h| h.value)
+    })
+}

@@ -1,0 +1,692 @@
+//! The guarded pipeline: consumer, then a user function, then an idempotent
+//! producer, with output reconciliation (G1).
+
+use std::collections::HashMap;
+use std::fmt::Display;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{DeliveryResult, Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
+
+use super::context::{Core, GuardContext, Shared, SinkPositions};
+use super::headers::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
+use super::reconcile::Reconciler;
+use super::setup::{self, kafka};
+use crate::error::{Error, Result};
+use crate::fingerprint::Identity;
+use crate::guard::{Guard, Stats};
+use crate::store::Durability;
+
+/// How the pipeline makes its output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// replayguard: idempotent producer, replays filtered, output visible at
+    /// once. Exactly once.
+    #[default]
+    Guarded,
+    /// A plain copy: idempotent producer, offsets committed at each
+    /// checkpoint, no guard. Duplicates after a crash (the baseline).
+    AtLeastOnce,
+    /// Kafka transactions committed at every checkpoint: exactly once, but
+    /// output is hidden from `read_committed` readers until the commit.
+    Transactional,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "guarded" => Ok(Mode::Guarded),
+            "at-least-once" => Ok(Mode::AtLeastOnce),
+            "transactional" => Ok(Mode::Transactional),
+            other => Err(Error::Config(format!(
+                "unknown mode {other:?}: use guarded, at-least-once or transactional"
+            ))),
+        }
+    }
+}
+
+/// One record the user function wants written.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OutputRecord {
+    /// Key.
+    pub key: Option<Vec<u8>>,
+    /// Value.
+    pub value: Option<Vec<u8>>,
+    /// Headers (the guard adds its own two).
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Output partition; `None` picks the input's partition when the output
+    /// has enough partitions, else the key's.
+    pub partition: Option<i32>,
+}
+
+impl OutputRecord {
+    /// An output with a value only.
+    #[must_use]
+    pub fn value(value: impl Into<Vec<u8>>) -> Self {
+        OutputRecord {
+            value: Some(value.into()),
+            ..Self::default()
+        }
+    }
+
+    /// A copy of an input record: key, value and headers.
+    #[must_use]
+    pub fn copy_of(m: &impl Message) -> Self {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .filter(|h| h.key != FINGERPRINT_HEADER && h.key != SOURCE_HEADER)
+                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        OutputRecord {
+            key: m.key().map(<[u8]>::to_vec),
+            value: m.payload().map(<[u8]>::to_vec),
+            headers,
+            partition: None,
+        }
+    }
+}
+
+/// Counters of a pipeline run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PipelineStats {
+    /// Input records received.
+    pub records_in: u64,
+    /// Inputs filtered as already handled.
+    pub duplicates: u64,
+    /// Outputs acked by the broker.
+    pub outputs: u64,
+    /// Checkpoints completed.
+    pub checkpoints: u64,
+    /// The engine's snapshot (guarded mode).
+    pub guard: Option<Stats>,
+}
+
+/// Which input an output belongs to, carried through the producer.
+pub struct Ticket {
+    topic: Arc<str>,
+    partition: i32,
+    offset: i64,
+}
+
+/// The producer context: delivery reports record inputs as handled.
+pub struct DeliveryContext {
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl ClientContext for DeliveryContext {}
+
+impl ProducerContext for DeliveryContext {
+    type DeliveryOpaque = Box<Ticket>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, t: Box<Ticket>) {
+        let mut s = self
+            .shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match result {
+            Ok(m) => {
+                s.counters.outputs += 1;
+                if let Some(sink) = s.sink.as_mut() {
+                    let end = sink.ends.entry(m.partition()).or_insert(0);
+                    *end = (*end).max(m.offset() + 1);
+                }
+                if let Err(e) = s.complete(&t.topic, t.partition, t.offset) {
+                    s.fail(format!(
+                        "recording {}[{}]@{} failed: {e}",
+                        t.topic, t.partition, t.offset
+                    ));
+                }
+            }
+            Err((e, _)) => {
+                s.fail(format!(
+                    "output of {}[{}]@{} was not delivered: {e}",
+                    t.topic, t.partition, t.offset
+                ));
+            }
+        }
+    }
+}
+
+/// Builds a [`GuardedPipeline`].
+#[must_use]
+pub struct GuardedPipelineBuilder {
+    consumer: ClientConfig,
+    producer: Option<ClientConfig>,
+    state: PathBuf,
+    inputs: Vec<String>,
+    output: Option<String>,
+    identity: Identity,
+    mode: Mode,
+    checkpoint_interval: Duration,
+    retention_epochs: u32,
+    retention_time: Option<Duration>,
+    durability: Durability,
+    stop_at_end: bool,
+    connect_attempts: u32,
+    flush_timeout: Duration,
+}
+
+impl GuardedPipelineBuilder {
+    /// Adds an input topic (at least one is required).
+    pub fn input(mut self, topic: impl Into<String>) -> Self {
+        self.inputs.push(topic.into());
+        self
+    }
+
+    /// The output topic (required).
+    pub fn output(mut self, topic: impl Into<String>) -> Self {
+        self.output = Some(topic.into());
+        self
+    }
+
+    /// The producer's configuration. Default: the connection settings of the
+    /// consumer configuration. `enable.idempotence=true` and `acks=all` are
+    /// set; a configuration turning either off is refused at `build`.
+    pub fn producer_config(mut self, cfg: ClientConfig) -> Self {
+        self.producer = Some(cfg);
+        self
+    }
+
+    /// The identity of an input record. Default [`Identity::Content`].
+    pub fn identity(mut self, identity: Identity) -> Self {
+        self.identity = identity;
+        self
+    }
+
+    /// Guarded (default), at-least-once or transactional.
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Time between checkpoints. Default 1 s; bounds 10 ms to 1 h.
+    pub fn checkpoint_interval(mut self, d: Duration) -> Self {
+        self.checkpoint_interval = d;
+        self
+    }
+
+    /// Completed epochs kept besides the open one. Default 0.
+    pub fn retention_epochs(mut self, n: u32) -> Self {
+        self.retention_epochs = n;
+        self
+    }
+
+    /// Also keep epochs closed less than this long ago. Default none.
+    pub fn retention_time(mut self, d: Option<Duration>) -> Self {
+        self.retention_time = d;
+        self
+    }
+
+    /// Durability of the engine's chunk writes. Default
+    /// [`Durability::Process`].
+    pub fn durability(mut self, d: Durability) -> Self {
+        self.durability = d;
+        self
+    }
+
+    /// Stop once every assigned input partition is consumed to its high
+    /// watermark, after a final checkpoint. Default false.
+    pub fn stop_at_end(mut self, yes: bool) -> Self {
+        self.stop_at_end = yes;
+        self
+    }
+
+    /// Attempts to reach the brokers at build before giving up. Default 10.
+    pub fn connect_attempts(mut self, n: u32) -> Self {
+        self.connect_attempts = n;
+        self
+    }
+
+    /// How long to wait for outputs to be acked at a checkpoint, and for
+    /// broker calls. Default 30 s.
+    pub fn flush_timeout(mut self, d: Duration) -> Self {
+        self.flush_timeout = d;
+        self
+    }
+
+    /// Checks the configuration, opens the state, reaches the brokers and
+    /// subscribes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] (missing topics, idempotence turned off, bad
+    /// bounds), [`Error::Unreachable`], [`Error::UnknownTopic`], the state
+    /// folder's open errors, and [`Error::Kafka`].
+    pub fn build(self) -> Result<GuardedPipeline> {
+        let output = self
+            .output
+            .clone()
+            .ok_or_else(|| Error::Config("no output topic given".into()))?;
+        if self.inputs.is_empty() {
+            return Err(Error::Config("no input topic given".into()));
+        }
+        if !(Duration::from_millis(10)..=Duration::from_secs(3600))
+            .contains(&self.checkpoint_interval)
+        {
+            return Err(Error::Config(
+                "checkpoint interval must be between 10ms and 1h".into(),
+            ));
+        }
+        let group = self
+            .consumer
+            .get("group.id")
+            .ok_or_else(|| {
+                Error::Config("the consumer configuration has no group.id; set one".into())
+            })?
+            .to_owned();
+        let mut producer_cfg = setup::idempotent_producer_config(
+            &self
+                .producer
+                .clone()
+                .unwrap_or_else(|| setup::connection_config(&self.consumer)),
+        )?;
+        let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
+        topics.push(&output);
+        let counts = setup::probe_topics(&self.consumer, &topics, self.connect_attempts)?;
+        let out_partitions = counts.last().copied().unwrap_or(1);
+        let guard = Guard::builder(&self.state)
+            .durability(self.durability)
+            .retention_epochs(self.retention_epochs)
+            .retention_time(self.retention_time)
+            .open()?;
+        let instance = setup::instance_id(&self.state, &group)?;
+        let consumer_cfg = setup::guarded_consumer_config(&self.consumer, &instance)?;
+        if self.mode == Mode::Transactional {
+            producer_cfg.set("transactional.id", format!("{instance}-tx"));
+        }
+        producer_cfg.set(
+            "linger.ms",
+            producer_cfg.get("linger.ms").unwrap_or("5").to_owned(),
+        );
+        let reconciler = match self.mode {
+            Mode::Guarded => Some(Reconciler::new(
+                &setup::connection_config(&self.consumer),
+                &output,
+                out_partitions,
+                self.flush_timeout,
+            )?),
+            _ => None,
+        };
+        let shared = Arc::new(Mutex::new(Shared {
+            guard: (self.mode == Mode::Guarded).then_some(guard),
+            tracks: HashMap::new(),
+            sink: None,
+            failure: None,
+            counters: Default::default(),
+        }));
+        if let Some(r) = &reconciler {
+            let ends = r.high_watermarks()?;
+            if let Ok(mut s) = shared.lock() {
+                s.sink = Some(SinkPositions {
+                    topic: output.clone(),
+                    ends,
+                });
+            }
+        }
+        let producer: ThreadedProducer<DeliveryContext> = producer_cfg
+            .create_with_context(DeliveryContext {
+                shared: shared.clone(),
+            })
+            .map_err(kafka("creating the producer"))?;
+        let producer = Arc::new(producer);
+        if self.mode == Mode::Transactional {
+            producer
+                .init_transactions(self.flush_timeout)
+                .map_err(kafka("initialising transactions"))?;
+            producer
+                .begin_transaction()
+                .map_err(kafka("beginning a transaction"))?;
+        }
+        let core = Arc::new(Core {
+            shared,
+            producer: Some(producer.clone()),
+            reconciler,
+            mode: self.mode,
+            flush_timeout: self.flush_timeout,
+        });
+        let consumer: StreamConsumer<GuardContext> = consumer_cfg
+            .create_with_context(GuardContext { core: core.clone() })
+            .map_err(kafka("creating the consumer"))?;
+        let inputs: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
+        consumer.subscribe(&inputs).map_err(kafka("subscribing"))?;
+        tracing::info!(inputs = ?self.inputs, %output, mode = ?self.mode, state = %self.state.display(), "pipeline started");
+        Ok(GuardedPipeline {
+            consumer,
+            producer,
+            core,
+            identity: self.identity,
+            output,
+            out_partitions: out_partitions as i32,
+            interval: self.checkpoint_interval,
+            stop_at_end: self.stop_at_end,
+            flush_timeout: self.flush_timeout,
+        })
+    }
+}
+
+/// Consumer, then a user function, then an idempotent producer: the outputs
+/// of every input appear exactly once (G1), visible as soon as acked.
+///
+/// Every output carries the headers [`FINGERPRINT_HEADER`] and
+/// [`SOURCE_HEADER`], which recovery reads back to close the window between
+/// an output's ack and its input's identity reaching disk.
+pub struct GuardedPipeline {
+    consumer: StreamConsumer<GuardContext>,
+    producer: Arc<ThreadedProducer<DeliveryContext>>,
+    core: Arc<Core>,
+    identity: Identity,
+    output: String,
+    out_partitions: i32,
+    interval: Duration,
+    stop_at_end: bool,
+    flush_timeout: Duration,
+}
+
+impl GuardedPipeline {
+    /// Starts building a pipeline from the user's consumer configuration
+    /// (which must name `group.id` and `bootstrap.servers`) and a state
+    /// folder of its own.
+    pub fn builder(consumer: ClientConfig, state: impl AsRef<Path>) -> GuardedPipelineBuilder {
+        GuardedPipelineBuilder {
+            consumer,
+            producer: None,
+            state: state.as_ref().to_owned(),
+            inputs: Vec::new(),
+            output: None,
+            identity: Identity::Content,
+            mode: Mode::Guarded,
+            checkpoint_interval: Duration::from_secs(1),
+            retention_epochs: 0,
+            retention_time: None,
+            durability: Durability::Process,
+            stop_at_end: false,
+            connect_attempts: 10,
+            flush_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// The wrapped consumer.
+    pub fn consumer(&self) -> &StreamConsumer<GuardContext> {
+        &self.consumer
+    }
+
+    /// Counters so far.
+    #[must_use]
+    pub fn stats(&self) -> PipelineStats {
+        let s = self.core.lock();
+        PipelineStats {
+            records_in: s.counters.records_in,
+            duplicates: s.counters.duplicates,
+            outputs: s.counters.outputs,
+            checkpoints: s.counters.checkpoints,
+            guard: s.guard.as_ref().map(Guard::stats),
+        }
+    }
+
+    /// Runs until an error, or until the end of the input with
+    /// `stop_at_end`.
+    ///
+    /// # Errors
+    ///
+    /// See [`GuardedPipeline::run_until`].
+    pub async fn run<F, Fut, E>(&mut self, f: F) -> Result<PipelineStats>
+    where
+        F: FnMut(OwnedMessage) -> Fut,
+        Fut: Future<Output = std::result::Result<Vec<OutputRecord>, E>>,
+        E: Display,
+    {
+        self.run_until(f, std::future::pending()).await
+    }
+
+    /// Runs until `stop` completes, an error, or (with `stop_at_end`) the
+    /// end of the input; then flushes, takes a final checkpoint and returns
+    /// the counters.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Process`] when `f` fails (the input is not recorded, so it
+    /// is processed again after a restart); a delivery failure, a store
+    /// failure or a failed recovery as [`Error::Config`]/[`Error::Store`]/
+    /// [`Error::Kafka`]. Positions never pass an input whose outputs were
+    /// not all acked.
+    pub async fn run_until<F, Fut, E, S>(&mut self, mut f: F, stop: S) -> Result<PipelineStats>
+    where
+        F: FnMut(OwnedMessage) -> Fut,
+        Fut: Future<Output = std::result::Result<Vec<OutputRecord>, E>>,
+        E: Display,
+        S: Future<Output = ()>,
+    {
+        let mut stop = std::pin::pin!(stop);
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            let msg = tokio::select! {
+                m = self.consumer.recv() => m,
+                _ = tick.tick() => {
+                    self.checkpoint(CommitMode::Async).await?;
+                    continue;
+                }
+                () = &mut stop => break,
+            };
+            self.check_failure()?;
+            let m = match msg {
+                Ok(m) => m,
+                Err(KafkaError::PartitionEOF(_)) => {
+                    if self.stop_at_end && self.at_end()? {
+                        break;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "consumer error; librdkafka retries");
+                    continue;
+                }
+            };
+            let (topic, partition, offset) = (m.topic().to_owned(), m.partition(), m.offset());
+            let fp = super::identify(&self.identity, &m);
+            {
+                let mut s = self.core.lock();
+                s.counters.records_in += 1;
+                metrics::counter!("replayguard_records_in_total").increment(1);
+                let t = s.track(&topic, partition);
+                if t.next.is_some_and(|n| offset < n) {
+                    continue;
+                }
+                if let Some(lane) = s.lane(&topic, partition)
+                    && let Some(g) = s.guard.as_mut()
+                {
+                    let verdict = g.check(lane, Some(offset as u64), fp)?;
+                    if let crate::Verdict::Duplicate { reason, .. } = verdict {
+                        s.counters.duplicates += 1;
+                        metrics::counter!("replayguard_duplicates_total", "reason" => reason_label(reason)).increment(1);
+                        s.track(&topic, partition).next = Some(offset + 1);
+                        continue;
+                    }
+                }
+            }
+            let input = m.detach();
+            let outputs = f(input).await.map_err(|e| Error::Process {
+                topic: topic.clone(),
+                partition,
+                offset,
+                message: e.to_string(),
+            })?;
+            self.dispatch(&topic, partition, offset, fp, outputs)
+                .await?;
+        }
+        self.checkpoint(CommitMode::Sync).await?;
+        Ok(self.stats())
+    }
+
+    async fn dispatch(
+        &self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        fp: Option<crate::Fingerprint>,
+        outputs: Vec<OutputRecord>,
+    ) -> Result<()> {
+        {
+            let mut s = self.core.lock();
+            let t = s.track(topic, partition);
+            t.next = Some(offset + 1);
+            t.inflight.insert(
+                offset,
+                super::context::Pending {
+                    remaining: outputs.len().max(1) as u32,
+                    fp,
+                },
+            );
+            if outputs.is_empty() {
+                s.complete(topic, partition, offset)?;
+                return Ok(());
+            }
+        }
+        let src = SourcePosition {
+            topic: topic.to_owned(),
+            partition,
+            offset,
+        }
+        .encode();
+        let fp_bytes = fp.map(crate::Fingerprint::to_bytes);
+        let topic: Arc<str> = Arc::from(topic);
+        for out in outputs {
+            let mut headers = OwnedHeaders::new_with_capacity(out.headers.len() + 2);
+            for (k, v) in &out.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v),
+                });
+            }
+            headers = headers.insert(Header {
+                key: SOURCE_HEADER,
+                value: Some(&src),
+            });
+            if let Some(b) = &fp_bytes {
+                headers = headers.insert(Header {
+                    key: FINGERPRINT_HEADER,
+                    value: Some(&b[..]),
+                });
+            }
+            let ticket = Box::new(Ticket {
+                topic: topic.clone(),
+                partition,
+                offset,
+            });
+            let mut record: BaseRecord<'_, [u8], [u8], Box<Ticket>> =
+                BaseRecord::with_opaque_to(&self.output, ticket).headers(headers);
+            if let Some(k) = &out.key {
+                record = record.key(&k[..]);
+            }
+            if let Some(v) = &out.value {
+                record = record.payload(&v[..]);
+            }
+            match out.partition {
+                Some(p) => record = record.partition(p),
+                None if partition < self.out_partitions => record = record.partition(partition),
+                None => {}
+            }
+            loop {
+                match self.producer.send(record) {
+                    Ok(()) => break,
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                        record = r;
+                        self.check_failure()?;
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    Err((e, _)) => {
+                        let msg = format!(
+                            "producing the output of {topic}[{partition}]@{offset} failed: {e}"
+                        );
+                        self.core.lock().fail(msg.clone());
+                        return Err(Error::Config(msg));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_failure(&self) -> Result<()> {
+        match self.core.failure() {
+            Some(f) => Err(Error::Config(format!("pipeline stopped: {f}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every output to be acked, then writes a checkpoint and
+    /// commits input offsets.
+    async fn checkpoint(&self, mode: CommitMode) -> Result<()> {
+        let started = std::time::Instant::now();
+        let span = tracing::debug_span!("replayguard_checkpoint");
+        let _e = span.enter();
+        loop {
+            self.check_failure()?;
+            if self.core.lock().inflight() == 0 {
+                break;
+            }
+            if started.elapsed() > self.flush_timeout {
+                return Err(Error::Config(format!(
+                    "outputs not acked within {:?}; is the broker up?",
+                    self.flush_timeout
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let tpl = self.core.lock().checkpoint(None)?;
+        self.core.commit(&self.consumer, &tpl, mode)?;
+        metrics::counter!("replayguard_checkpoints_total").increment(1);
+        metrics::histogram!("replayguard_checkpoint_seconds")
+            .record(started.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// True when every assigned partition was dispatched to its high
+    /// watermark.
+    fn at_end(&self) -> Result<bool> {
+        let assignment = self
+            .consumer
+            .assignment()
+            .map_err(kafka("reading the assignment"))?;
+        if assignment.count() == 0 {
+            return Ok(false);
+        }
+        for e in assignment.elements() {
+            let (_, hi) = self
+                .consumer
+                .fetch_watermarks(e.topic(), e.partition(), self.flush_timeout)
+                .map_err(kafka("reading input watermarks"))?;
+            let s = self.core.lock();
+            let next = s
+                .tracks
+                .get(e.topic())
+                .and_then(|m| m.get(&e.partition()))
+                .and_then(|t| t.next);
+            if next.unwrap_or(0) < hi {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+pub(crate) fn reason_label(r: crate::Reason) -> &'static str {
+    match r {
+        crate::Reason::SamePosition => "position",
+        crate::Reason::SameContent => "content",
+    }
+}

@@ -1,0 +1,144 @@
+//! Output reconciliation: closes the crash window between a producer ack and
+//! the input's identity reaching disk, without transactions.
+//!
+//! Every guarded output carries its input's source position and
+//! fingerprint. On recovery the reader scans each output partition from the
+//! last known sink position to its high watermark and records those inputs
+//! as handled.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+
+use super::context::{Core, SinkPositions};
+use super::headers::read_guard_headers;
+use super::setup::kafka;
+use crate::error::{Error, Result};
+
+pub(crate) struct Reconciler {
+    reader: BaseConsumer,
+    topic: String,
+    partitions: usize,
+    timeout: Duration,
+}
+
+impl Reconciler {
+    pub fn new(
+        connection: &ClientConfig,
+        topic: &str,
+        partitions: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let reader: BaseConsumer = connection
+            .clone()
+            .set("group.id", "replayguard-reconcile")
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "false")
+            .set("isolation.level", "read_uncommitted")
+            .create()
+            .map_err(kafka("creating the reconciliation reader"))?;
+        Ok(Reconciler {
+            reader,
+            topic: topic.to_owned(),
+            partitions,
+            timeout,
+        })
+    }
+
+    /// The high watermark of every output partition now.
+    pub fn high_watermarks(&self) -> Result<BTreeMap<i32, i64>> {
+        let mut out = BTreeMap::new();
+        for p in 0..self.partitions as i32 {
+            let (_, hi) = self
+                .reader
+                .fetch_watermarks(&self.topic, p, self.timeout)
+                .map_err(kafka("reading output watermarks"))?;
+            out.insert(p, hi);
+        }
+        Ok(out)
+    }
+
+    /// Reads every output partition from the earliest position any source
+    /// names (or from its start when none does) to its high watermark, and
+    /// records the inputs found as handled.
+    pub fn reconcile(
+        &self,
+        core: &Core,
+        manifest: Option<&SinkPositions>,
+        commits: &[SinkPositions],
+    ) -> Result<u64> {
+        let started = Instant::now();
+        let mut tpl = TopicPartitionList::new();
+        let mut targets: BTreeMap<i32, i64> = BTreeMap::new();
+        for p in 0..self.partitions as i32 {
+            let from = manifest
+                .into_iter()
+                .chain(commits.iter())
+                .filter(|s| s.topic == self.topic)
+                .filter_map(|s| s.ends.get(&p).copied())
+                .min();
+            let (lo, hi) = self
+                .reader
+                .fetch_watermarks(&self.topic, p, self.timeout)
+                .map_err(kafka("reading output watermarks"))?;
+            let from = from.unwrap_or(lo).max(lo);
+            if from < hi {
+                tpl.add_partition_offset(&self.topic, p, Offset::Offset(from))
+                    .map_err(kafka("building the reconciliation assignment"))?;
+                targets.insert(p, hi);
+            }
+        }
+        if targets.is_empty() {
+            return Ok(0);
+        }
+        self.reader
+            .assign(&tpl)
+            .map_err(kafka("assigning output partitions for reconciliation"))?;
+        let mut found = 0u64;
+        let mut last_progress = Instant::now();
+        while !targets.is_empty() {
+            let Some(r) = self.reader.poll(Duration::from_millis(200)) else {
+                if last_progress.elapsed() > self.timeout {
+                    let _ = self.reader.unassign();
+                    return Err(Error::Config(format!(
+                        "output reconciliation of {} made no progress for {:?}; partitions left: {:?}",
+                        self.topic, self.timeout, targets
+                    )));
+                }
+                continue;
+            };
+            let m = r.map_err(kafka("reading the output for reconciliation"))?;
+            last_progress = Instant::now();
+            if let Some((src, fp)) = read_guard_headers(m.headers()) {
+                let mut s = core.lock();
+                if let Some(lane) = s.lane(&src.topic, src.partition)
+                    && let Some(g) = s.guard.as_mut()
+                    && g.record(lane, Some(src.offset as u64), fp)?.is_fresh()
+                {
+                    found += 1;
+                }
+            }
+            if targets
+                .get(&m.partition())
+                .is_some_and(|hi| m.offset() + 1 >= *hi)
+            {
+                targets.remove(&m.partition());
+            }
+        }
+        self.reader
+            .unassign()
+            .map_err(kafka("releasing the reconciliation reader"))?;
+        tracing::info!(
+            topic = %self.topic,
+            identities = found,
+            ms = started.elapsed().as_millis() as u64,
+            "output reconciled"
+        );
+        metrics::counter!("replayguard_reconciled_identities_total").increment(found);
+        Ok(found)
+    }
+}

@@ -1,0 +1,201 @@
+//! Configuration checks and broker probes shared by the adapters.
+
+use std::path::Path;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+use crate::error::{Error, Result};
+
+/// Keys copied from a consumer configuration into a derived producer or
+/// reader configuration: connection and security settings only.
+fn is_connection_key(k: &str) -> bool {
+    k == "bootstrap.servers"
+        || k == "metadata.broker.list"
+        || k == "client.id"
+        || k == "broker.address.family"
+        || k.starts_with("security.")
+        || k.starts_with("sasl.")
+        || k.starts_with("ssl.")
+        || k.starts_with("socket.")
+}
+
+/// A configuration holding only the connection settings of `cfg`.
+pub(crate) fn connection_config(cfg: &ClientConfig) -> ClientConfig {
+    let mut out = ClientConfig::new();
+    for (k, v) in cfg.config_map() {
+        if is_connection_key(k) {
+            out.set(k, v);
+        }
+    }
+    out.set_log_level(cfg.log_level);
+    out
+}
+
+/// The brokers named by a configuration, for error messages.
+pub(crate) fn brokers(cfg: &ClientConfig) -> String {
+    cfg.get("bootstrap.servers")
+        .or_else(|| cfg.get("metadata.broker.list"))
+        .unwrap_or("(no bootstrap.servers)")
+        .to_owned()
+}
+
+/// Applies the settings a guarded consumer needs. `instance` is the static
+/// membership id derived from the state folder.
+pub(crate) fn guarded_consumer_config(user: &ClientConfig, instance: &str) -> Result<ClientConfig> {
+    let mut cfg = user.clone();
+    if cfg.get("group.id").is_none() {
+        return Err(Error::Config(
+            "the consumer configuration has no group.id; set one".into(),
+        ));
+    }
+    cfg.set("enable.auto.commit", "false");
+    cfg.set("enable.auto.offset.store", "false");
+    cfg.set("enable.partition.eof", "true");
+    if cfg.get("group.instance.id").is_none() {
+        cfg.set("group.instance.id", instance);
+    }
+    if cfg.get("partition.assignment.strategy").is_none() {
+        cfg.set("partition.assignment.strategy", "cooperative-sticky");
+    }
+    if cfg.get("session.timeout.ms").is_none() {
+        cfg.set("session.timeout.ms", "10000");
+    }
+    if cfg.get("auto.offset.reset").is_none() {
+        cfg.set("auto.offset.reset", "earliest");
+    }
+    Ok(cfg)
+}
+
+/// Refuses a producer configuration that cannot give exactly-once output.
+pub(crate) fn idempotent_producer_config(cfg: &ClientConfig) -> Result<ClientConfig> {
+    let mut cfg = cfg.clone();
+    if let Some(v) = cfg.get("enable.idempotence")
+        && v != "true"
+    {
+        return Err(Error::Config(format!(
+            "enable.idempotence={v} is refused: without idempotence a producer retry can write an output twice, which no consumer-side guard can undo; remove the setting"
+        )));
+    }
+    if let Some(v) = cfg.get("acks").or_else(|| cfg.get("request.required.acks"))
+        && v != "all"
+        && v != "-1"
+    {
+        return Err(Error::Config(format!(
+            "acks={v} is refused: an output acked by one replica can be lost, and a lost output is a lost record; use acks=all"
+        )));
+    }
+    cfg.set("enable.idempotence", "true");
+    cfg.set("acks", "all");
+    Ok(cfg)
+}
+
+/// The static membership id of a state folder: a token created with the
+/// folder, stable across restarts. Two live instances cannot share it,
+/// because the folder is locked by its guard.
+pub(crate) fn instance_id(state: &Path, group: &str) -> Result<String> {
+    let file = state.join("instance-id");
+    let token = match std::fs::read_to_string(&file) {
+        Ok(t) if !t.trim().is_empty() => t.trim().to_owned(),
+        _ => {
+            let seed = format!(
+                "{}:{:?}:{}",
+                std::process::id(),
+                std::time::SystemTime::now(),
+                state.display()
+            );
+            let t = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(seed.as_bytes()));
+            let tmp = state.join("instance-id.tmp");
+            std::fs::write(&tmp, &t)?;
+            std::fs::File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, &file)?;
+            t
+        }
+    };
+    Ok(format!("replayguard-{group}-{token}"))
+}
+
+/// Waits for the brokers to answer and checks that every topic exists, with
+/// bounded retries.
+///
+/// Returns the partition count of each topic.
+pub(crate) fn probe_topics(
+    cfg: &ClientConfig,
+    topics: &[&str],
+    attempts: u32,
+) -> Result<Vec<usize>> {
+    let probe: BaseConsumer = connection_config(cfg)
+        .set("allow.auto.create.topics", "false")
+        .create()
+        .map_err(|e| Error::Kafka {
+            operation: "creating a metadata client".into(),
+            source: e,
+        })?;
+    let mut last = String::new();
+    for attempt in 1..=attempts.max(1) {
+        let mut counts = Vec::with_capacity(topics.len());
+        let mut retry = false;
+        for topic in topics {
+            match probe.fetch_metadata(Some(topic), Duration::from_secs(3)) {
+                Ok(md) => {
+                    let t = md.topics().iter().find(|t| t.name() == *topic);
+                    match t {
+                        Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
+                            counts.push(t.partitions().len())
+                        }
+                        Some(t)
+                            if t.error().is_some_and(|e| {
+                                RDKafkaErrorCode::from(e)
+                                    != RDKafkaErrorCode::UnknownTopicOrPartition
+                            }) =>
+                        {
+                            last = format!("topic {topic}: {:?}", t.error());
+                            retry = true;
+                            break;
+                        }
+                        _ => {
+                            return Err(Error::UnknownTopic {
+                                topic: (*topic).to_owned(),
+                                brokers: brokers(cfg),
+                            });
+                        }
+                    }
+                }
+                Err(e) => {
+                    last = describe(&e);
+                    retry = true;
+                    break;
+                }
+            }
+        }
+        if !retry {
+            return Ok(counts);
+        }
+        tracing::warn!(attempt, error = %last, "brokers not ready, retrying");
+        if attempt < attempts {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+    Err(Error::Unreachable {
+        brokers: brokers(cfg),
+        attempts,
+        last,
+    })
+}
+
+fn describe(e: &KafkaError) -> String {
+    match e.rdkafka_error_code() {
+        Some(code) => format!("{e} ({code:?})"),
+        None => e.to_string(),
+    }
+}
+
+/// Wraps an rdkafka error with the operation that failed.
+pub(crate) fn kafka(operation: &str) -> impl FnOnce(KafkaError) -> Error + '_ {
+    move |source| Error::Kafka {
+        operation: operation.to_owned(),
+        source,
+    }
+}
