@@ -499,7 +499,10 @@ impl Guard {
         let mut writes = Vec::new();
         let mut new_lanes = Vec::new();
         for (id, l) in self.lanes.iter().enumerate() {
-            if !l.persisted && (l.pending_records > 0 || manifest.is_some()) {
+            // Every lane not yet in the lane table goes in with any write, so
+            // the persisted ids stay a dense prefix (recovery requires it)
+            // even when an earlier lane has nothing to write yet.
+            if !l.persisted {
                 new_lanes.push((id as u32, &l.name));
             }
             if l.pending_records > 0 {

@@ -1,1 +1,806 @@
+//! Unit tests of the guard, and a model-based property test that runs random
+//! operation sequences (with simulated crashes) against a plain reference.
 
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+use super::*;
+
+fn hash(i: u64) -> Fingerprint {
+    Fingerprint::content(Some(b"unit"), Some(&i.to_be_bytes()))
+}
+
+fn dup(reason: Reason, epoch: u64) -> Verdict {
+    Verdict::Duplicate { reason, epoch }
+}
+
+#[test]
+fn position_is_checked_before_content() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let lane = g.lane("t", 0);
+    assert_eq!(g.record(lane, Some(7), Some(hash(1)))?, Verdict::Fresh);
+    assert_eq!(
+        g.check(lane, Some(7), Some(hash(1)))?,
+        dup(Reason::SamePosition, 0)
+    );
+    assert_eq!(
+        g.check(lane, Some(7), Some(hash(2)))?,
+        dup(Reason::SamePosition, 0)
+    );
+    assert_eq!(
+        g.check(lane, Some(8), Some(hash(1)))?,
+        dup(Reason::SameContent, 0)
+    );
+    assert_eq!(
+        g.check(lane, None, Some(hash(1)))?,
+        dup(Reason::SameContent, 0)
+    );
+    assert_eq!(g.check(lane, Some(8), Some(hash(2)))?, Verdict::Fresh);
+    assert_eq!(g.check(lane, None, None)?, Verdict::Fresh);
+    Ok(())
+}
+
+#[test]
+fn lanes_are_independent() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let a = g.lane("t", 0);
+    let b = g.lane("t", 1);
+    assert_ne!(a, b);
+    assert_eq!(g.lane("t", 0), a);
+    g.record(a, Some(1), Some(hash(1)))?;
+    assert_eq!(g.check(b, Some(1), Some(hash(1)))?, Verdict::Fresh);
+    assert_eq!(
+        g.lane_name(b),
+        Some(&LaneName {
+            topic: "t".into(),
+            partition: 1
+        })
+    );
+    Ok(())
+}
+
+#[test]
+fn a_duplicate_is_never_recorded_twice() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let lane = g.lane("t", 0);
+    g.record(lane, Some(1), Some(hash(1)))?;
+    // Same content at a new offset: not recorded, so offset 2 stays fresh.
+    assert_eq!(
+        g.record(lane, Some(2), Some(hash(1)))?,
+        dup(Reason::SameContent, 0)
+    );
+    assert_eq!(g.check(lane, Some(2), None)?, Verdict::Fresh);
+    // Same offset with new content: not recorded, so the content stays fresh.
+    assert_eq!(
+        g.record(lane, Some(1), Some(hash(2)))?,
+        dup(Reason::SamePosition, 0)
+    );
+    assert_eq!(g.check(lane, None, Some(hash(2)))?, Verdict::Fresh);
+    let s = g.stats();
+    assert_eq!(s.recorded, 1);
+    assert_eq!(s.live_fingerprints, 1);
+    assert_eq!(s.live_offsets, 1);
+    assert_eq!(s.duplicates_same_content, 1);
+    assert_eq!(s.duplicates_same_position, 1);
+    assert_eq!(s.checked, 2);
+    Ok(())
+}
+
+#[test]
+fn newest_epoch_answers_first() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).retention_epochs(1).open()?;
+    let lane = g.lane("t", 0);
+    g.record(lane, Some(5), Some(hash(5)))?;
+    g.checkpoint(&[(lane, 6)], Vec::new())?;
+    g.record(lane, Some(6), Some(hash(6)))?;
+    // Offset 5 is in epoch 0, content 6 in epoch 1: epoch 1 is asked first.
+    assert_eq!(
+        g.check(lane, Some(5), Some(hash(6)))?,
+        dup(Reason::SameContent, 1)
+    );
+    assert_eq!(
+        g.check(lane, Some(5), Some(hash(7)))?,
+        dup(Reason::SamePosition, 0)
+    );
+    Ok(())
+}
+
+#[test]
+fn default_retention_forgets_the_closed_epoch_at_checkpoint() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let lane = g.lane("t", 0);
+    g.record(lane, Some(1), Some(hash(1)))?;
+    let report = g.checkpoint(&[(lane, 2)], Vec::new())?;
+    assert_eq!(report.epoch, 1);
+    assert_eq!(report.dropped_epochs, vec![0]);
+    assert_eq!(g.check(lane, Some(1), Some(hash(1)))?, Verdict::Fresh);
+    assert_eq!(g.stats().live_epochs, 1);
+    assert_eq!(g.stats().live_fingerprints, 0);
+    Ok(())
+}
+
+#[test]
+fn retention_in_epochs_keeps_that_many_closed_epochs() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).retention_epochs(2).open()?;
+    let lane = g.lane("t", 0);
+    for e in 0..5u64 {
+        g.record(lane, Some(e), Some(hash(e)))?;
+        let report = g.checkpoint(&[(lane, e + 1)], Vec::new())?;
+        let expect: Vec<u64> = if e >= 2 { vec![e - 2] } else { Vec::new() };
+        assert_eq!(report.dropped_epochs, expect);
+    }
+    // Open epoch 5 plus closed epochs 3 and 4.
+    assert_eq!(g.stats().live_epochs, 3);
+    for e in 0..5u64 {
+        let v = g.check(lane, Some(e), Some(hash(e)))?;
+        if e >= 3 {
+            assert_eq!(v, dup(Reason::SamePosition, e));
+        } else {
+            assert_eq!(v, Verdict::Fresh, "epoch {e} should be dropped");
+        }
+    }
+    drop(g);
+    let mut g = Guard::builder(dir.path()).retention_epochs(2).open()?;
+    assert_eq!(g.epoch(), 5);
+    for e in 0..5u64 {
+        assert_eq!(g.check(lane, None, Some(hash(e)))?.is_fresh(), e < 3);
+    }
+    Ok(())
+}
+
+#[test]
+fn retention_in_time_keeps_recent_epochs() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path())
+        .retention_time(Some(Duration::from_secs(3600)))
+        .open()?;
+    let lane = g.lane("t", 0);
+    for e in 0..4u64 {
+        g.record(lane, Some(e), None)?;
+        assert!(g.checkpoint(&[], Vec::new())?.dropped_epochs.is_empty());
+    }
+    for e in 0..4u64 {
+        assert_eq!(g.check(lane, Some(e), None)?, dup(Reason::SamePosition, e));
+    }
+    drop(g);
+    // Reopened with a zero time retention, the next checkpoint drops all
+    // closed epochs.
+    let mut g = Guard::builder(dir.path())
+        .retention_time(Some(Duration::ZERO))
+        .open()?;
+    assert!(!g.check(lane, Some(0), None)?.is_fresh());
+    let dropped = g.checkpoint(&[], Vec::new())?.dropped_epochs;
+    assert_eq!(dropped, vec![0, 1, 2, 3, 4]);
+    assert!(g.check(lane, Some(0), None)?.is_fresh());
+    Ok(())
+}
+
+#[test]
+fn builder_refuses_out_of_bounds_options() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cases = [
+        Guard::builder(dir.path()).chunk_records(0),
+        Guard::builder(dir.path()).chunk_records(10_000_001),
+        Guard::builder(dir.path()).retention_epochs(1_000_001),
+        Guard::builder(dir.path()).retention_time(Some(Duration::from_secs(366 * 86_400))),
+    ];
+    for b in cases {
+        let r = b.clone().open();
+        assert!(matches!(r, Err(Error::Config(_))), "{b:?} gave {r:?}");
+    }
+    // Nothing was created by a refused open.
+    assert_eq!(std::fs::read_dir(dir.path())?.count(), 0);
+    Guard::builder(dir.path())
+        .chunk_records(10_000_000)
+        .retention_epochs(1_000_000)
+        .retention_time(Some(Duration::from_secs(365 * 86_400)))
+        .open()?;
+    Ok(())
+}
+
+#[test]
+fn unknown_lane_is_an_error_and_changes_nothing() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let lane = g.lane("t", 0);
+    let bogus = LaneId(9);
+    assert!(matches!(
+        g.check(bogus, Some(1), None),
+        Err(Error::UnknownLane(9))
+    ));
+    assert!(matches!(
+        g.record(bogus, Some(1), None),
+        Err(Error::UnknownLane(9))
+    ));
+    assert!(matches!(
+        g.checkpoint(&[(lane, 1), (bogus, 1)], Vec::new()),
+        Err(Error::UnknownLane(9))
+    ));
+    assert_eq!(g.epoch(), 0);
+    assert_eq!(g.position(lane), None);
+    assert!(g.manifest().is_none());
+    // Not a poisoning error: the guard still works.
+    assert_eq!(g.record(lane, Some(1), None)?, Verdict::Fresh);
+    Ok(())
+}
+
+#[test]
+fn positions_follow_checkpoints_only() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let a = g.lane("t", 0);
+    let b = g.lane("t", 1);
+    assert_eq!(g.position(a), None);
+    g.checkpoint(&[(a, 10), (b, 20)], b"sink-1".to_vec())?;
+    g.checkpoint(&[(a, 11)], b"sink-2".to_vec())?;
+    assert_eq!((g.position(a), g.position(b)), (Some(11), Some(20)));
+    let m = g.manifest().cloned();
+    drop(g);
+    let mut g = Guard::builder(dir.path()).open()?;
+    assert_eq!(g.manifest().cloned(), m);
+    assert_eq!(
+        g.manifest().map(|m| m.sink.clone()),
+        Some(b"sink-2".to_vec())
+    );
+    assert_eq!(g.epoch(), 2);
+    let (a, b) = (g.lane("t", 0), g.lane("t", 1));
+    assert_eq!((g.position(a), g.position(b)), (Some(11), Some(20)));
+    Ok(())
+}
+
+#[test]
+fn flushed_records_survive_a_crash_and_unflushed_ones_do_not() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let lane = g.lane("t", 0);
+    g.record(lane, Some(1), Some(hash(1)))?;
+    g.flush()?;
+    g.record(lane, Some(2), Some(hash(2)))?;
+    drop(g);
+    let mut g = Guard::builder(dir.path()).open()?;
+    assert_eq!(g.check(lane, Some(1), None)?, dup(Reason::SamePosition, 0));
+    assert_eq!(
+        g.check(lane, None, Some(hash(1)))?,
+        dup(Reason::SameContent, 0)
+    );
+    assert_eq!(g.check(lane, Some(2), Some(hash(2)))?, Verdict::Fresh);
+    // A new chunk after the reopen does not overwrite the recovered one.
+    g.record(lane, Some(3), Some(hash(3)))?;
+    g.flush()?;
+    drop(g);
+    let mut g = Guard::builder(dir.path()).open()?;
+    assert!(!g.check(lane, Some(1), None)?.is_fresh());
+    assert!(!g.check(lane, Some(3), None)?.is_fresh());
+    assert_eq!(g.stats().live_fingerprints, 2);
+    Ok(())
+}
+
+#[test]
+fn a_full_chunk_is_written_without_a_flush() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).chunk_records(3).open()?;
+    let lane = g.lane("t", 0);
+    for o in 0..4 {
+        g.record(lane, Some(o), None)?;
+    }
+    drop(g);
+    let mut g = Guard::builder(dir.path()).chunk_records(3).open()?;
+    for o in 0..3 {
+        assert!(!g.check(lane, Some(o), None)?.is_fresh(), "offset {o}");
+    }
+    assert!(g.check(lane, Some(3), None)?.is_fresh());
+    Ok(())
+}
+
+#[test]
+fn a_lane_created_but_never_written_does_not_break_reopen() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let _idle = g.lane("idle", 0);
+    let busy = g.lane("busy", 0);
+    g.record(busy, Some(1), None)?;
+    g.flush()?;
+    drop(g);
+    let mut g = Guard::builder(dir.path()).open()?;
+    let busy = g.lane("busy", 0);
+    assert!(!g.check(busy, Some(1), None)?.is_fresh());
+    Ok(())
+}
+
+#[test]
+fn user_ids_and_hashes_survive_sealing_and_reopen() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path())
+        .retention_epochs(1)
+        .chunk_records(97)
+        .open()?;
+    let lane = g.lane("t", 0);
+    for i in 0..2_000u64 {
+        g.record(lane, None, Some(Fingerprint::id(i * 2)))?;
+        g.record(lane, None, Some(hash(i)))?;
+    }
+    g.checkpoint(&[], Vec::new())?;
+    let check_all = |g: &mut Guard| -> Result<()> {
+        for i in 0..2_000u64 {
+            assert_eq!(
+                g.check(lane, None, Some(Fingerprint::id(i * 2)))?,
+                dup(Reason::SameContent, 0)
+            );
+            assert!(
+                g.check(lane, None, Some(Fingerprint::id(i * 2 + 1)))?
+                    .is_fresh()
+            );
+            assert_eq!(
+                g.check(lane, None, Some(hash(i)))?,
+                dup(Reason::SameContent, 0)
+            );
+            assert!(g.check(lane, None, Some(hash(i + 1_000_000)))?.is_fresh());
+        }
+        Ok(())
+    };
+    check_all(&mut g)?;
+    drop(g);
+    let mut g = Guard::builder(dir.path()).retention_epochs(1).open()?;
+    check_all(&mut g)?;
+    assert_eq!(g.stats().live_fingerprints, 4_000);
+    Ok(())
+}
+
+#[test]
+fn a_record_without_identity_is_fresh_and_counted() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).open()?;
+    let lane = g.lane("t", 0);
+    assert_eq!(g.record(lane, None, None)?, Verdict::Fresh);
+    assert_eq!(g.record(lane, None, None)?, Verdict::Fresh);
+    assert_eq!(g.stats().recorded, 2);
+    g.flush()?;
+    drop(g);
+    Guard::builder(dir.path()).open()?;
+    Ok(())
+}
+
+#[test]
+fn stats_describe_the_state() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).retention_epochs(1).open()?;
+    let lane = g.lane("t", 0);
+    for o in 0..100 {
+        g.record(lane, Some(o), Some(hash(o)))?;
+    }
+    g.checkpoint(&[(lane, 100)], Vec::new())?;
+    for o in 100..150 {
+        g.record(lane, Some(o), Some(Fingerprint::id(o)))?;
+    }
+    let s = g.stats();
+    assert_eq!(s.recorded, 150);
+    assert_eq!(s.live_fingerprints, 150);
+    assert_eq!(s.live_offsets, 150);
+    assert_eq!(s.live_epochs, 2);
+    assert_eq!(s.epoch, 1);
+    assert_eq!(s.checkpoints, 1);
+    assert!(s.last_checkpoint.is_some());
+    assert!(s.disk_bytes > 0);
+    let table = g.epoch_table();
+    assert_eq!(table.len(), 2);
+    assert_eq!((table[0].1, table[0].2, table[0].3), (0, 100, 100));
+    assert_eq!((table[1].1, table[1].2, table[1].3), (1, 50, 50));
+    assert_eq!(g.live_offsets(lane).len(), 150);
+    drop(g);
+    let g = Guard::builder(dir.path()).retention_epochs(1).open()?;
+    let s = g.stats();
+    assert_eq!((s.checked, s.recorded, s.checkpoints), (0, 0, 0));
+    // The 50 records of the open epoch were never flushed.
+    assert_eq!(s.live_fingerprints, 100);
+    assert_eq!(s.live_epochs, 2);
+    assert!(s.last_recovery > Duration::ZERO);
+    Ok(())
+}
+
+#[test]
+fn memory_estimate_grows_with_content_and_shrinks_when_sealed() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).retention_epochs(1).open()?;
+    let lane = g.lane("t", 0);
+    assert_eq!(g.memory_bytes(), 0);
+    let n = 100_000u64;
+    for i in 0..n {
+        g.record(lane, Some(i), Some(hash(i)))?;
+    }
+    let open = g.memory_bytes();
+    // A hash table of 16-byte entries: more than 16 bytes an entry, and
+    // no more than a table at its lowest load (7/16) would take.
+    assert!(open as u64 > 16 * n, "{open}");
+    assert!((open as u64) < 17 * n * 16 / 7 + 64 * 1024, "{open}");
+    g.checkpoint(&[(lane, n)], Vec::new())?;
+    let sealed = g.memory_bytes();
+    // A sorted array of 16-byte entries plus a few KiB of dense offsets.
+    assert!(sealed as u64 >= 16 * n, "{sealed}");
+    assert!((sealed as u64) < 16 * n + n / 4 + 4096, "{sealed}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Model-based test.
+
+/// Small domains, so that duplicates of every kind are frequent.
+const OFFSETS: u64 = 24;
+const IDS: u64 = 12;
+
+#[derive(Clone, Copy, Debug)]
+enum Fp {
+    Id(u64),
+    Hash(u64),
+}
+
+impl Fp {
+    fn get(self) -> Fingerprint {
+        match self {
+            Fp::Id(i) => Fingerprint::id(i),
+            Fp::Hash(i) => Fingerprint::content(Some(b"model"), Some(&i.to_le_bytes())),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Check(usize, Option<u64>, Option<Fp>),
+    Record(usize, Option<u64>, Option<Fp>),
+    Flush,
+    Checkpoint(Vec<(usize, u64)>),
+    /// Drop the guard without a checkpoint and reopen; then ask about the
+    /// lanes starting from the given one (lanes get ids in that order).
+    Crash(usize),
+    /// Checkpoint, then drop the guard and reopen.
+    CleanReopen(Vec<(usize, u64)>, usize),
+}
+
+fn fp_strategy() -> impl Strategy<Value = Option<Fp>> {
+    prop_oneof![
+        1 => Just(None),
+        3 => (0..IDS).prop_map(|i| Some(Fp::Id(i))),
+        3 => (0..IDS).prop_map(|i| Some(Fp::Hash(i))),
+    ]
+}
+
+fn op_strategy(lanes: usize) -> impl Strategy<Value = Op> {
+    let lane = 0..lanes;
+    let offset = prop::option::weighted(0.8, 0..OFFSETS);
+    let positions = prop::collection::vec((0..lanes, 0..1_000u64), 0..=lanes);
+    prop_oneof![
+        20 => (lane.clone(), offset.clone(), fp_strategy()).prop_map(|(l, o, f)| Op::Check(l, o, f)),
+        30 => (lane, offset, fp_strategy()).prop_map(|(l, o, f)| Op::Record(l, o, f)),
+        3 => Just(Op::Flush),
+        4 => positions.clone().prop_map(Op::Checkpoint),
+        3 => (0..lanes).prop_map(Op::Crash),
+        2 => (positions, 0..lanes).prop_map(|(p, first)| Op::CleanReopen(p, first)),
+    ]
+}
+
+#[derive(Clone, Debug, Default)]
+struct EpochSet {
+    offsets: BTreeSet<u64>,
+    fps: HashSet<Fingerprint>,
+}
+
+type Epochs = BTreeMap<u64, EpochSet>;
+
+/// The reference: plain sets per (lane, epoch), and a copy of what is durable.
+struct Model {
+    retention: u64,
+    chunk_records: usize,
+    epoch: u64,
+    live: Vec<Epochs>,
+    durable: Vec<Epochs>,
+    pending: Vec<usize>,
+    positions: Vec<Option<u64>>,
+    checked: u64,
+    recorded: u64,
+    dup_position: u64,
+    dup_content: u64,
+}
+
+impl Model {
+    fn new(lanes: usize, retention: u64, chunk_records: usize) -> Self {
+        Model {
+            retention,
+            chunk_records,
+            epoch: 0,
+            live: vec![Epochs::new(); lanes],
+            durable: vec![Epochs::new(); lanes],
+            pending: vec![0; lanes],
+            positions: vec![None; lanes],
+            checked: 0,
+            recorded: 0,
+            dup_position: 0,
+            dup_content: 0,
+        }
+    }
+
+    fn find(&self, lane: usize, offset: Option<u64>, fp: Option<Fingerprint>) -> Verdict {
+        for (&epoch, set) in self.live[lane].iter().rev() {
+            if offset.is_some_and(|o| set.offsets.contains(&o)) {
+                return dup(Reason::SamePosition, epoch);
+            }
+            if fp.is_some_and(|f| set.fps.contains(&f)) {
+                return dup(Reason::SameContent, epoch);
+            }
+        }
+        Verdict::Fresh
+    }
+
+    fn count(&mut self, v: Verdict) {
+        match v {
+            Verdict::Duplicate {
+                reason: Reason::SamePosition,
+                ..
+            } => self.dup_position += 1,
+            Verdict::Duplicate {
+                reason: Reason::SameContent,
+                ..
+            } => self.dup_content += 1,
+            Verdict::Fresh => {}
+        }
+    }
+
+    fn check(&mut self, lane: usize, offset: Option<u64>, fp: Option<Fingerprint>) -> Verdict {
+        let v = self.find(lane, offset, fp);
+        self.checked += 1;
+        self.count(v);
+        v
+    }
+
+    fn record(&mut self, lane: usize, offset: Option<u64>, fp: Option<Fingerprint>) -> Verdict {
+        let v = self.find(lane, offset, fp);
+        if v != Verdict::Fresh {
+            self.count(v);
+            return v;
+        }
+        let set = self.live[lane].entry(self.epoch).or_default();
+        set.offsets.extend(offset);
+        set.fps.extend(fp);
+        self.recorded += 1;
+        self.pending[lane] += 1;
+        // A full chunk on one lane writes the pending chunks of every lane.
+        if self.pending[lane] >= self.chunk_records {
+            self.flush();
+        }
+        v
+    }
+
+    fn flush(&mut self) {
+        self.durable = self.live.clone();
+        self.pending.iter_mut().for_each(|p| *p = 0);
+    }
+
+    fn checkpoint(&mut self, positions: &[(usize, u64)]) {
+        self.flush();
+        for &(lane, p) in positions {
+            self.positions[lane] = Some(p);
+        }
+        self.epoch += 1;
+        let keep_from = self.epoch.saturating_sub(self.retention);
+        for epochs in self.live.iter_mut().chain(self.durable.iter_mut()) {
+            *epochs = epochs.split_off(&keep_from);
+        }
+    }
+
+    fn crash(&mut self) {
+        self.live = self.durable.clone();
+        self.pending.iter_mut().for_each(|p| *p = 0);
+        self.checked = 0;
+        self.recorded = 0;
+        self.dup_position = 0;
+        self.dup_content = 0;
+    }
+
+    fn live_counts(&self) -> (u64, u64) {
+        let sets = self.live.iter().flat_map(|e| e.values());
+        sets.fold((0, 0), |(f, o), s| {
+            (f + s.fps.len() as u64, o + s.offsets.len() as u64)
+        })
+    }
+}
+
+/// A guard whose lane ids are resolved on first use, so that lanes are
+/// created in a different order after each reopen.
+struct Subject {
+    dir: std::path::PathBuf,
+    builder: GuardBuilder,
+    guard: Option<Guard>,
+    ids: Vec<Option<LaneId>>,
+}
+
+impl Subject {
+    fn guard(&mut self) -> std::result::Result<&mut Guard, TestCaseError> {
+        self.guard
+            .as_mut()
+            .ok_or_else(|| TestCaseError::fail("no guard"))
+    }
+
+    fn lane(&mut self, lane: usize) -> std::result::Result<LaneId, TestCaseError> {
+        if let Some(id) = self.ids[lane] {
+            return Ok(id);
+        }
+        let id = self.guard()?.lane("model", lane as i32);
+        self.ids[lane] = Some(id);
+        Ok(id)
+    }
+
+    fn reopen(&mut self) -> std::result::Result<(), TestCaseError> {
+        drop(self.guard.take());
+        self.guard = Some(self.builder.clone().open()?);
+        self.ids.iter_mut().for_each(|i| *i = None);
+        Ok(())
+    }
+
+    fn checkpoint(&mut self, positions: &[(usize, u64)]) -> std::result::Result<(), TestCaseError> {
+        let mut ps = Vec::new();
+        for &(lane, p) in positions {
+            ps.push((self.lane(lane)?, p));
+        }
+        self.guard()?.checkpoint(&ps, Vec::new())?;
+        Ok(())
+    }
+}
+
+fn compare(s: &mut Subject, m: &Model) -> std::result::Result<(), TestCaseError> {
+    let g = s.guard()?;
+    let stats = g.stats();
+    prop_assert_eq!(g.epoch(), m.epoch);
+    prop_assert_eq!(stats.epoch, m.epoch);
+    prop_assert_eq!(stats.checked, m.checked);
+    prop_assert_eq!(stats.recorded, m.recorded);
+    prop_assert_eq!(stats.duplicates_same_position, m.dup_position);
+    prop_assert_eq!(stats.duplicates_same_content, m.dup_content);
+    prop_assert_eq!(
+        stats.live_epochs,
+        m.epoch.min(m.retention) + 1,
+        "live epochs"
+    );
+    let (fps, offs) = m.live_counts();
+    prop_assert_eq!(stats.live_fingerprints, fps);
+    prop_assert_eq!(stats.live_offsets, offs);
+    // Only lanes already in use: asking creates a lane, and the order in
+    // which lanes are created is part of what is tested.
+    for lane in 0..m.live.len() {
+        let Some(id) = s.ids[lane] else { continue };
+        let g = s.guard()?;
+        prop_assert_eq!(
+            g.position(id),
+            m.positions[lane],
+            "position of lane {}",
+            lane
+        );
+        let want: BTreeSet<u64> = m.live[lane]
+            .values()
+            .flat_map(|e| e.offsets.iter().copied())
+            .collect();
+        let got: BTreeSet<u64> = g.live_offsets(id).iter().collect();
+        prop_assert_eq!(got, want, "live offsets of lane {}", lane);
+    }
+    Ok(())
+}
+
+/// Asks every identity of the domain, on every lane, starting from `first`.
+fn sweep(s: &mut Subject, m: &mut Model, first: usize) -> std::result::Result<(), TestCaseError> {
+    let fps = (0..IDS).flat_map(|i| [Fp::Id(i), Fp::Hash(i)]);
+    let fps: Vec<Fingerprint> = fps.map(Fp::get).collect();
+    let lanes = m.live.len();
+    for lane in (0..lanes).map(|l| (l + first) % lanes) {
+        let id = s.lane(lane)?;
+        prop_assert_eq!(
+            s.guard()?.position(id),
+            m.positions[lane],
+            "position of lane {}",
+            lane
+        );
+        for o in 0..OFFSETS {
+            let got = s.guard()?.check(id, Some(o), None)?;
+            prop_assert_eq!(got, m.check(lane, Some(o), None), "offset {}", o);
+        }
+        for &f in &fps {
+            let got = s.guard()?.check(id, None, Some(f))?;
+            prop_assert_eq!(got, m.check(lane, None, Some(f)), "fingerprint {}", f);
+        }
+    }
+    Ok(())
+}
+
+fn run_model(
+    lanes: usize,
+    retention: u32,
+    chunk_records: usize,
+    ops: Vec<Op>,
+) -> std::result::Result<(), TestCaseError> {
+    let dir = tempfile::tempdir()?;
+    let builder = Guard::builder(dir.path())
+        .retention_epochs(retention)
+        .chunk_records(chunk_records);
+    let mut s = Subject {
+        dir: dir.path().to_owned(),
+        guard: Some(builder.clone().open()?),
+        builder,
+        ids: vec![None; lanes],
+    };
+    let mut m = Model::new(lanes, u64::from(retention), chunk_records);
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            Op::Check(lane, o, f) => {
+                let f = f.map(Fp::get);
+                let id = s.lane(*lane)?;
+                let got = s.guard()?.check(id, *o, f)?;
+                prop_assert_eq!(got, m.check(*lane, *o, f), "step {}: {:?}", step, op);
+            }
+            Op::Record(lane, o, f) => {
+                let f = f.map(Fp::get);
+                let id = s.lane(*lane)?;
+                let got = s.guard()?.record(id, *o, f)?;
+                prop_assert_eq!(got, m.record(*lane, *o, f), "step {}: {:?}", step, op);
+            }
+            Op::Flush => {
+                s.guard()?.flush()?;
+                m.flush();
+            }
+            Op::Checkpoint(ps) => {
+                s.checkpoint(ps)?;
+                m.checkpoint(ps);
+            }
+            Op::Crash(first) => {
+                s.reopen()?;
+                m.crash();
+                compare(&mut s, &m)?;
+                sweep(&mut s, &mut m, *first)?;
+            }
+            Op::CleanReopen(ps, first) => {
+                s.checkpoint(ps)?;
+                m.checkpoint(ps);
+                s.reopen()?;
+                m.crash();
+                compare(&mut s, &m)?;
+                sweep(&mut s, &mut m, *first)?;
+            }
+        }
+        compare(&mut s, &m)?;
+    }
+    // The folder holds only the marker and the database.
+    let mut names: Vec<String> = std::fs::read_dir(&s.dir)?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<_>>()?;
+    names.sort();
+    prop_assert_eq!(names, vec!["REPLAYGUARD".to_owned(), "db".to_owned()]);
+    s.reopen()?;
+    m.crash();
+    sweep(&mut s, &mut m, 0)
+}
+
+fn model_cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(model_cases()))]
+
+    #[test]
+    fn guard_matches_the_model(
+        (lanes, ops) in (2usize..=3).prop_flat_map(|lanes| {
+            (Just(lanes), prop::collection::vec(op_strategy(lanes), 1..120))
+        }),
+        retention in 0u32..=3,
+        chunk_records in 1usize..50,
+    ) {
+        run_model(lanes, retention, chunk_records, ops)?;
+    }
+}
