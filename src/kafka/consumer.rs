@@ -150,6 +150,7 @@ impl GuardedConsumerBuilder {
                 sink: None,
                 failure: None,
                 counters: Default::default(),
+                aborted: false,
             })),
             producer: None,
             reconciler: None,
@@ -321,6 +322,18 @@ impl GuardedConsumer {
                 Err(e) => Some((Err(e), c)),
             }
         })
+    }
+
+    /// Stops at once, as `kill -9` would: no checkpoint, no commit, and
+    /// identities not yet written to the store are lost. For demonstrations
+    /// and tests of recovery.
+    pub fn abort(self) {
+        self.core.abort();
+        let GuardedConsumer { consumer, core, .. } = self;
+        std::thread::spawn(move || {
+            drop(consumer);
+            drop(core);
+        });
     }
 
     /// Counters so far.

@@ -73,6 +73,8 @@ pub(crate) struct Shared {
     pub sink: Option<SinkPositions>,
     pub failure: Option<String>,
     pub counters: Counters,
+    /// Set by `abort`: callbacks then do nothing, as in a dead process.
+    pub aborted: bool,
 }
 
 impl Shared {
@@ -202,6 +204,21 @@ impl Core {
         self.shared
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.lock().aborted
+    }
+
+    /// Stops as a crash would: callbacks turn inert, and the guard is
+    /// dropped with whatever it had not written.
+    pub fn abort(&self) {
+        let guard = {
+            let mut s = self.lock();
+            s.aborted = true;
+            s.guard.take()
+        };
+        drop(guard);
     }
 
     pub fn failure(&self) -> Option<String> {
@@ -402,6 +419,10 @@ impl ConsumerContext for GuardContext {
         err: RDKafkaRespErr,
         tpl: &mut TopicPartitionList,
     ) {
+        if self.core.is_aborted() {
+            let _ = consumer.unassign();
+            return;
+        }
         let cooperative = matches!(
             consumer.rebalance_protocol(),
             RebalanceProtocol::Cooperative

@@ -137,6 +137,14 @@ impl ProducerContext for DeliveryContext {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match result {
+            Ok(_) if super::setup::fault("after-ack") => {
+                // As if the process died after the broker acked the output
+                // and before the input's identity was recorded.
+                s.fail(format!(
+                    "injected crash after the ack of {}[{}]@{}",
+                    t.topic, t.partition, t.offset
+                ));
+            }
             Ok(m) => {
                 s.counters.outputs += 1;
                 if let Some(sink) = s.sink.as_mut() {
@@ -177,9 +185,19 @@ pub struct GuardedPipelineBuilder {
     stop_at_end: bool,
     connect_attempts: u32,
     flush_timeout: Duration,
+    reconcile: bool,
 }
 
 impl GuardedPipelineBuilder {
+    /// Read the output back on recovery (guarded mode). Default true.
+    /// Turning it off reopens the window between an output's ack and its
+    /// input's identity reaching disk, so a crash there duplicates the
+    /// output: it exists to measure and demonstrate that window.
+    pub fn reconcile_output(mut self, yes: bool) -> Self {
+        self.reconcile = yes;
+        self
+    }
+
     /// Adds an input topic (at least one is required).
     pub fn input(mut self, topic: impl Into<String>) -> Self {
         self.inputs.push(topic.into());
@@ -312,7 +330,7 @@ impl GuardedPipelineBuilder {
             producer_cfg.get("linger.ms").unwrap_or("5").to_owned(),
         );
         let reconciler = match self.mode {
-            Mode::Guarded => Some(Reconciler::new(
+            Mode::Guarded if self.reconcile => Some(Reconciler::new(
                 &setup::connection_config(&self.consumer),
                 &output,
                 out_partitions,
@@ -326,15 +344,23 @@ impl GuardedPipelineBuilder {
             sink: None,
             failure: None,
             counters: Default::default(),
+            aborted: false,
         }));
-        if let Some(r) = &reconciler {
-            let ends = r.high_watermarks()?;
-            if let Ok(mut s) = shared.lock() {
-                s.sink = Some(SinkPositions {
-                    topic: output.clone(),
-                    ends,
-                });
-            }
+        if let Ok(mut s) = shared.lock() {
+            // Sink positions carry on from the last manifest; reconciliation
+            // advances them once it has read the output.
+            let ends = s
+                .guard
+                .as_ref()
+                .and_then(|g| g.manifest())
+                .and_then(|m| serde_json::from_slice::<SinkPositions>(&m.sink).ok())
+                .filter(|sink| sink.topic == output)
+                .map(|sink| sink.ends)
+                .unwrap_or_default();
+            s.sink = Some(SinkPositions {
+                topic: output.clone(),
+                ends,
+            });
         }
         let producer: ThreadedProducer<DeliveryContext> = producer_cfg
             .create_with_context(DeliveryContext {
@@ -415,12 +441,34 @@ impl GuardedPipeline {
             stop_at_end: false,
             connect_attempts: 10,
             flush_timeout: Duration::from_secs(30),
+            reconcile: true,
         }
     }
 
     /// The wrapped consumer.
     pub fn consumer(&self) -> &StreamConsumer<GuardContext> {
         &self.consumer
+    }
+
+    /// Stops at once, as `kill -9` would: no flush, no checkpoint, no
+    /// commit, and identities not yet written to the store are lost. Outputs
+    /// already handed to the producer may or may not reach the broker. For
+    /// demonstrations and tests of recovery; a restart over the same state
+    /// folder recovers from the last durable state and the output.
+    pub fn abort(self) {
+        self.core.abort();
+        let GuardedPipeline {
+            consumer,
+            producer,
+            core,
+            ..
+        } = self;
+        // Dropping a consumer can block for seconds; do it off the caller.
+        std::thread::spawn(move || {
+            drop(consumer);
+            drop(producer);
+            drop(core);
+        });
     }
 
     /// Counters so far.

@@ -49,17 +49,19 @@ impl Reconciler {
         })
     }
 
-    /// The high watermark of every output partition now.
-    pub fn high_watermarks(&self) -> Result<BTreeMap<i32, i64>> {
-        let mut out = BTreeMap::new();
-        for p in 0..self.partitions as i32 {
-            let (_, hi) = self
-                .reader
-                .fetch_watermarks(&self.topic, p, self.timeout)
-                .map_err(kafka("reading output watermarks"))?;
-            out.insert(p, hi);
+    /// Every output up to `scanned` is now accounted for: its input is
+    /// recorded in the open epoch, which the next checkpoint writes together
+    /// with the manifest. So the sink position may move there.
+    fn advance_sink(&self, core: &Core, scanned: &BTreeMap<i32, i64>) {
+        let mut s = core.lock();
+        let sink = s.sink.get_or_insert_with(|| SinkPositions {
+            topic: self.topic.clone(),
+            ends: BTreeMap::new(),
+        });
+        for (p, hi) in scanned {
+            let e = sink.ends.entry(*p).or_insert(*hi);
+            *e = (*e).max(*hi);
         }
-        Ok(out)
     }
 
     /// Reads every output partition from the earliest position any source
@@ -74,6 +76,7 @@ impl Reconciler {
         let started = Instant::now();
         let mut tpl = TopicPartitionList::new();
         let mut targets: BTreeMap<i32, i64> = BTreeMap::new();
+        let mut scanned: BTreeMap<i32, i64> = BTreeMap::new();
         for p in 0..self.partitions as i32 {
             let from = manifest
                 .into_iter()
@@ -86,6 +89,8 @@ impl Reconciler {
                 .fetch_watermarks(&self.topic, p, self.timeout)
                 .map_err(kafka("reading output watermarks"))?;
             let from = from.unwrap_or(lo).max(lo);
+            tracing::debug!(partition = p, from, lo, hi, "reconcile range");
+            scanned.insert(p, hi);
             if from < hi {
                 tpl.add_partition_offset(&self.topic, p, Offset::Offset(from))
                     .map_err(kafka("building the reconciliation assignment"))?;
@@ -93,6 +98,7 @@ impl Reconciler {
             }
         }
         if targets.is_empty() {
+            self.advance_sink(core, &scanned);
             return Ok(0);
         }
         self.reader

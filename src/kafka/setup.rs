@@ -199,3 +199,10 @@ pub(crate) fn kafka(operation: &str) -> impl FnOnce(KafkaError) -> Error + '_ {
         source,
     }
 }
+
+/// Test-only fault points, compiled in with the `fault-injection` feature:
+/// true when the environment variable `REPLAYGUARD_FAIL_AT` names `name`.
+pub(crate) fn fault(name: &str) -> bool {
+    cfg!(any(test, feature = "fault-injection"))
+        && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
+}

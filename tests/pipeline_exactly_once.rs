@@ -1,0 +1,118 @@
+//! G1 on librdkafka's in-process mock cluster: a guarded pipeline that
+//! "crashes" (its task is dropped with no checkpoint) and restarts still
+//! writes every input exactly once; the at-least-once baseline does not.
+
+mod inproc;
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use inproc::{Broker, TestResult, dups_and_missing};
+use replayguard::kafka::{GuardedPipeline, Mode, OutputRecord};
+
+/// Runs one pipeline incarnation. With `crash_after`, drops it with no
+/// checkpoint once that many inputs were processed; otherwise runs to the
+/// end of the input.
+async fn run_once(
+    broker: &Broker,
+    state: &Path,
+    mode: Mode,
+    reconcile: bool,
+    crash_after: Option<u64>,
+) -> TestResult<u64> {
+    let mut p = GuardedPipeline::builder(broker.consumer_config("copy"), state)
+        .input("in")
+        .output("out")
+        .mode(mode)
+        .reconcile_output(reconcile)
+        .checkpoint_interval(Duration::from_millis(150))
+        .stop_at_end(crash_after.is_none())
+        .build()?;
+    let seen = Arc::new(AtomicU64::new(0));
+    let counter = seen.clone();
+    let f = move |m: rdkafka::message::OwnedMessage| {
+        let counter = counter.clone();
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            // Slow enough that a crash lands between checkpoints.
+            tokio::time::sleep(Duration::from_micros(500)).await;
+            Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)])
+        }
+    };
+    match crash_after {
+        None => {
+            p.run(f).await?;
+        }
+        Some(n) => {
+            let watch = seen.clone();
+            let crash = async move {
+                while watch.load(Ordering::SeqCst) < n {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            };
+            tokio::select! {
+                r = p.run(f) => { r?; }
+                () = crash => {}
+            }
+        }
+    }
+    let n = seen.load(Ordering::SeqCst);
+    if crash_after.is_some() {
+        // A crash: nothing is flushed or checkpointed on the way out.
+        p.abort();
+    } else {
+        tokio::task::spawn_blocking(move || drop(p)).await?;
+    }
+    Ok(n)
+}
+
+async fn crash_and_restart(mode: Mode, reconcile: bool) -> TestResult<Vec<u64>> {
+    let broker = Broker::start(&[("in", 1), ("out", 1)])?;
+    let input: Vec<u64> = (1..=2000).collect();
+    broker.produce("in", &input, 1).await?;
+    let dir = tempfile::tempdir()?;
+    for crash_after in [400, 500, 600] {
+        run_once(&broker, dir.path(), mode, reconcile, Some(crash_after)).await?;
+    }
+    run_once(&broker, dir.path(), mode, reconcile, None).await?;
+    Ok(broker.values("out", 1)?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_pipeline_writes_each_input_once_across_crashes() -> TestResult {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("replayguard=debug")
+        .with_test_writer()
+        .try_init();
+    let out = crash_and_restart(Mode::Guarded, true).await?;
+    let (dups, missing) = dups_and_missing(&out, 1..=2000);
+    assert!(dups.is_empty(), "duplicates in the output: {dups:?}");
+    assert!(
+        missing.is_empty(),
+        "inputs missing from the output: {missing:?}"
+    );
+    assert_eq!(
+        out,
+        (1..=2000).collect::<Vec<_>>(),
+        "one partition keeps input order"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_once_baseline_duplicates_after_crashes() -> TestResult {
+    let out = crash_and_restart(Mode::AtLeastOnce, false).await?;
+    let (dups, missing) = dups_and_missing(&out, 1..=2000);
+    assert!(
+        missing.is_empty(),
+        "the baseline must not lose inputs: {missing:?}"
+    );
+    assert!(
+        !dups.is_empty(),
+        "the baseline should replay some inputs after a crash"
+    );
+    Ok(())
+}
