@@ -14,6 +14,9 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 pub type TestResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// A record as read back: partition, value, headers.
+pub type ReadRecord = (i32, String, Vec<(String, Vec<u8>)>);
+
 /// A mock cluster living on its own thread until dropped.
 pub struct Broker {
     pub bootstrap: String,
@@ -95,11 +98,7 @@ impl Broker {
 
     /// Reads every record of a topic up to its high watermarks:
     /// (partition, value, headers).
-    pub fn read_all(
-        &self,
-        topic: &str,
-        partitions: i32,
-    ) -> TestResult<Vec<(i32, String, Vec<(String, Vec<u8>)>)>> {
+    pub fn read_all(&self, topic: &str, partitions: i32) -> TestResult<Vec<ReadRecord>> {
         let c: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
             .set("group.id", "test-reader")
