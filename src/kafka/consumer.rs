@@ -281,16 +281,33 @@ impl GuardedConsumer {
         }
     }
 
-    /// Marks a record handled: it is recorded in the open epoch, and the
-    /// position may move past it at the next checkpoint.
+    /// Marks a record handled. Its identity is recorded in the open epoch
+    /// and written to the store at once (handed to the operating system, or
+    /// fsynced with [`Durability::Sync`]), so a crash after `ack` returns
+    /// does not deliver it again. The position may move past it at the next
+    /// checkpoint.
     ///
     /// # Errors
     ///
     /// A store write failure (which poisons the guard).
     pub fn ack(&self, r: &GuardedRecord) -> Result<()> {
-        self.core
-            .lock()
-            .complete(r.message.topic(), r.message.partition(), r.message.offset())
+        self.ack_many(std::slice::from_ref(r))
+    }
+
+    /// Marks several records handled with one store write.
+    ///
+    /// # Errors
+    ///
+    /// A store write failure (which poisons the guard).
+    pub fn ack_many(&self, records: &[GuardedRecord]) -> Result<()> {
+        let mut s = self.core.lock();
+        for r in records {
+            s.complete(r.message.topic(), r.message.partition(), r.message.offset())?;
+        }
+        match s.guard.as_mut() {
+            Some(g) => g.flush(),
+            None => Ok(()),
+        }
     }
 
     /// Writes a checkpoint now: pending identities and the manifest, fsynced;
