@@ -23,12 +23,10 @@ fn pipeline(broker: &Broker, state: PathBuf) -> replayguard::Result<GuardedPipel
         .build()
 }
 
+type Copied = std::pin::Pin<Box<dyn Future<Output = Result<Vec<OutputRecord>, Infallible>> + Send>>;
+
 /// Copies slowly, counting inputs processed.
-fn copy(
-    seen: Arc<AtomicU64>,
-) -> impl FnMut(
-    rdkafka::message::OwnedMessage,
-) -> std::pin::Pin<Box<dyn Future<Output = Result<Vec<OutputRecord>, Infallible>> + Send>> {
+fn copy(seen: Arc<AtomicU64>) -> impl FnMut(rdkafka::message::OwnedMessage) -> Copied {
     move |m| {
         let seen = seen.clone();
         Box::pin(async move {
