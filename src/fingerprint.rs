@@ -135,7 +135,42 @@ pub enum Identity {
     /// Position only: `(partition, offset)`. Catches the application's own
     /// replays, not upstream resends.
     Offset,
+    /// A user function of key and value, for example a parsed business id
+    /// given as [`Fingerprint::id`] (dense ids are stored in roaring). It
+    /// returns `None` for a record without an id, which is then identified
+    /// by its position alone.
+    Custom(IdentityFn),
 }
+
+/// A user identity function, see [`Identity::Custom`].
+#[derive(Clone)]
+pub struct IdentityFn(std::sync::Arc<KeyValueFn>);
+
+/// The signature of a user identity function: (key, value) to identity.
+type KeyValueFn = dyn Fn(Option<&[u8]>, Option<&[u8]>) -> Option<Fingerprint> + Send + Sync;
+
+impl IdentityFn {
+    /// Wraps a function of (key, value).
+    pub fn new(
+        f: impl Fn(Option<&[u8]>, Option<&[u8]>) -> Option<Fingerprint> + Send + Sync + 'static,
+    ) -> Self {
+        IdentityFn(std::sync::Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for IdentityFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdentityFn(..)")
+    }
+}
+
+impl PartialEq for IdentityFn {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for IdentityFn {}
 
 impl Identity {
     /// Computes the fingerprint of a record under this identity.
@@ -154,6 +189,7 @@ impl Identity {
             Identity::Key => Some(Fingerprint::key(key)),
             Identity::Header(name) => header(name).map(|v| Fingerprint::header(name, v)),
             Identity::Offset => None,
+            Identity::Custom(f) => (f.0)(key, value),
         }
     }
 }

@@ -69,7 +69,7 @@ pub mod kafka;
 pub mod store;
 
 pub use error::{Error, Result, StoreError};
-pub use fingerprint::{Fingerprint, Identity};
+pub use fingerprint::{Fingerprint, Identity, IdentityFn};
 pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Stats, Verdict};
 pub use index::Reason;
 pub use store::{Durability, LaneName, Manifest};

@@ -119,3 +119,26 @@ async fn resends_pass_once_their_epoch_left_the_retention() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_identity_filters_by_business_id() -> TestResult {
+    use replayguard::{Fingerprint, Identity, IdentityFn};
+    let broker = Broker::start(&[("events", 1)])?;
+    // The business id is the value modulo 1000: 1005 is a resend of 5.
+    broker.produce("events", &[5, 6, 1005, 7, 2006], 1).await?;
+    let dir = tempfile::tempdir()?;
+    let id = IdentityFn::new(|_, value| {
+        let v: u64 = std::str::from_utf8(value?).ok()?.parse().ok()?;
+        Some(Fingerprint::id(v % 1000))
+    });
+    let c = GuardedConsumer::builder(broker.consumer_config("readers"), dir.path())
+        .topic("events")
+        .identity(Identity::Custom(id))
+        .stop_at_end(true)
+        .build()?;
+    assert_eq!(read(&c, usize::MAX).await?, vec![5, 6, 7]);
+    let stats = c.stats().guard.ok_or("guarded consumer has engine stats")?;
+    assert_eq!(stats.duplicates_same_content, 2);
+    inproc::drop_off_runtime(c);
+    Ok(())
+}

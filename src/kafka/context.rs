@@ -179,6 +179,11 @@ impl Shared {
             e.set_metadata(meta.clone());
         }
         self.counters.checkpoints += 1;
+        if let Some(g) = self.guard.as_ref() {
+            let st = g.stats();
+            metrics::gauge!("replayguard_live_fingerprints").set(st.live_fingerprints as f64);
+            metrics::gauge!("replayguard_live_epochs").set(st.live_epochs as f64);
+        }
         Ok(tpl)
     }
 

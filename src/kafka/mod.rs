@@ -31,7 +31,9 @@ mod setup;
 pub use consumer::{GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
 pub use context::GuardContext;
 pub use headers::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
-pub use pipeline::{GuardedPipeline, GuardedPipelineBuilder, Mode, OutputRecord, PipelineStats};
+pub use pipeline::{
+    GuardedPipeline, GuardedPipelineBuilder, Mode, OutputRecord, PipelineStats, StatsHandle,
+};
 
 use rdkafka::message::{Headers, Message};
 

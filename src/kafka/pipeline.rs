@@ -147,6 +147,7 @@ impl ProducerContext for DeliveryContext {
             }
             Ok(m) => {
                 s.counters.outputs += 1;
+                metrics::counter!("replayguard_outputs_total").increment(1);
                 if let Some(sink) = s.sink.as_mut() {
                     let end = sink.ends.entry(m.partition()).or_insert(0);
                     *end = (*end).max(m.offset() + 1);
@@ -403,6 +404,30 @@ impl GuardedPipelineBuilder {
     }
 }
 
+/// Reads a pipeline's counters from another task; see
+/// [`GuardedPipeline::stats_handle`]. While it lives it keeps the
+/// pipeline's state open (and its folder locked), so drop it with the
+/// pipeline.
+#[derive(Clone)]
+pub struct StatsHandle {
+    core: Arc<Core>,
+}
+
+impl StatsHandle {
+    /// Counters so far.
+    #[must_use]
+    pub fn stats(&self) -> PipelineStats {
+        let s = self.core.lock();
+        PipelineStats {
+            records_in: s.counters.records_in,
+            duplicates: s.counters.duplicates,
+            outputs: s.counters.outputs,
+            checkpoints: s.counters.checkpoints,
+            guard: s.guard.as_ref().map(Guard::stats),
+        }
+    }
+}
+
 /// Consumer, then a user function, then an idempotent producer: the outputs
 /// of every input appear exactly once (G1), visible as soon as acked.
 ///
@@ -474,13 +499,15 @@ impl GuardedPipeline {
     /// Counters so far.
     #[must_use]
     pub fn stats(&self) -> PipelineStats {
-        let s = self.core.lock();
-        PipelineStats {
-            records_in: s.counters.records_in,
-            duplicates: s.counters.duplicates,
-            outputs: s.counters.outputs,
-            checkpoints: s.counters.checkpoints,
-            guard: s.guard.as_ref().map(Guard::stats),
+        self.stats_handle().stats()
+    }
+
+    /// A handle that reads the counters while [`GuardedPipeline::run_until`]
+    /// holds the pipeline, for example for a progress display.
+    #[must_use]
+    pub fn stats_handle(&self) -> StatsHandle {
+        StatsHandle {
+            core: self.core.clone(),
         }
     }
 
