@@ -116,3 +116,20 @@ async fn at_least_once_baseline_duplicates_after_crashes() -> TestResult {
     );
     Ok(())
 }
+
+/// The transactional baseline without crashes: every input once for a
+/// `read_committed` reader. Across crashes the mock cluster shows the
+/// records of the crashed producer's open transaction to `read_committed`
+/// readers (seen here: exactly the inputs in flight at each crash), a gap of
+/// the broker, so crashes are not part of this test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_baseline_copies_each_input_once() -> TestResult {
+    let broker = Broker::start(&[("in", 1), ("out", 1)])?;
+    broker
+        .produce("in", &(1..=500).collect::<Vec<_>>(), 1)
+        .await?;
+    let dir = tempfile::tempdir()?;
+    run_once(&broker, dir.path(), Mode::Transactional, false, None).await?;
+    assert_eq!(broker.values("out", 1)?, (1..=500).collect::<Vec<_>>());
+    Ok(())
+}

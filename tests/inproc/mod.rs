@@ -103,6 +103,8 @@ impl Broker {
             .set("bootstrap.servers", &self.bootstrap)
             .set("group.id", "test-reader")
             .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .set("isolation.level", "read_committed")
             .create()?;
         let mut tpl = TopicPartitionList::new();
         let mut left = std::collections::HashMap::new();
