@@ -26,6 +26,8 @@ use crate::error::{Error, Result, StoreError};
 pub const FORMAT_VERSION: u32 = 1;
 
 const MARKER: &str = "REPLAYGUARD";
+/// Third line of the marker while a new folder is being set up.
+const CREATING: &str = "creating";
 const MAGIC: &[u8; 8] = b"RPGUARD\0";
 const CHUNK_VERSION: u8 = 1;
 
@@ -277,8 +279,22 @@ impl Store {
         };
         std::fs::create_dir_all(path).map_err(open_err)?;
         let marker = path.join(MARKER);
-        match std::fs::read_to_string(&marker) {
-            Ok(text) => check_marker(path, &text)?,
+        let db_path = path.join("db");
+        // The marker says "creating" until the database holds its format
+        // key. A folder past that point whose database is gone is damage,
+        // not a new folder: recreating it would be a silent reset.
+        let creating = match std::fs::read_to_string(&marker) {
+            Ok(text) => {
+                check_marker(path, &text)?;
+                let creating = text.lines().nth(2) == Some(CREATING);
+                if !creating && !db_path.is_dir() {
+                    return Err(Error::Corrupt {
+                        path: path.to_owned(),
+                        what: "its database folder db/ is missing".into(),
+                    });
+                }
+                creating
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let mut entries = std::fs::read_dir(path).map_err(open_err)?;
                 if entries.next().is_some() {
@@ -286,16 +302,21 @@ impl Store {
                         path: path.to_owned(),
                     });
                 }
-                write_marker(path).map_err(open_err)?;
+                write_marker(path, true).map_err(open_err)?;
+                true
             }
             Err(e) => return Err(open_err(e)),
-        }
-        let db_path = path.join("db");
+        };
         let db = Database::builder(&db_path).open().map_err(|e| match e {
             fjall::Error::Locked => Error::InUse {
                 path: path.to_owned(),
             },
-            fjall::Error::Io(source) if source.kind() == std::io::ErrorKind::PermissionDenied => {
+            fjall::Error::Io(source)
+                if !matches!(
+                    source.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
+                ) =>
+            {
                 Error::Open {
                     path: path.to_owned(),
                     source,
@@ -308,7 +329,7 @@ impl Store {
         })?;
         let ks = |name: &str| {
             db.keyspace(name, KeyspaceCreateOptions::default)
-                .map_err(|e| store_err(path, e))
+                .map_err(|e| read_err(path, e))
         };
         let store = Store {
             path: path.to_owned(),
@@ -317,7 +338,10 @@ impl Store {
             chunks: ks("chunks")?,
             db,
         };
-        let loaded = store.load_meta()?;
+        let loaded = store.load_meta(creating)?;
+        if creating {
+            write_marker(path, false).map_err(open_err)?;
+        }
         Ok((store, loaded))
     }
 
@@ -338,8 +362,12 @@ impl Store {
         store_err(&self.path, e)
     }
 
-    fn load_meta(&self) -> Result<Loaded> {
-        match self.meta.get("format").map_err(|e| self.err(e))? {
+    fn read_err(&self, e: fjall::Error) -> Error {
+        read_err(&self.path, e)
+    }
+
+    fn load_meta(&self, creating: bool) -> Result<Loaded> {
+        match self.meta.get("format").map_err(|e| self.read_err(e))? {
             Some(v) => {
                 if v.len() != 12 || &v[..8] != MAGIC {
                     return Err(self.corrupt("the format key has no replayguard magic"));
@@ -356,11 +384,12 @@ impl Store {
             None => {
                 // A folder whose creation was interrupted has the marker and
                 // nothing else. Anything more without the format key is damage.
-                if self
-                    .meta
-                    .get("manifest")
-                    .map_err(|e| self.err(e))?
-                    .is_some()
+                if !creating
+                    || self
+                        .meta
+                        .get("manifest")
+                        .map_err(|e| self.read_err(e))?
+                        .is_some()
                     || self.chunks.first_key_value().is_some()
                 {
                     return Err(self.corrupt("the format key is missing"));
@@ -372,13 +401,13 @@ impl Store {
                 b.commit().map_err(|e| self.err(e))?;
             }
         }
-        let manifest = match self.meta.get("manifest").map_err(|e| self.err(e))? {
+        let manifest = match self.meta.get("manifest").map_err(|e| self.read_err(e))? {
             None => None,
             Some(v) => Some(decode_manifest(&v).map_err(|w| self.corrupt(w))?),
         };
         let mut lanes = Vec::new();
         for g in self.lanes.iter() {
-            let (k, v) = g.into_inner().map_err(|e| self.err(e))?;
+            let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
             let id: [u8; 4] = (*k)
                 .try_into()
                 .map_err(|_| self.corrupt("a lane key is malformed"))?;
@@ -405,7 +434,7 @@ impl Store {
             self.drop_epochs_before(oldest)?;
         }
         for g in self.chunks.range(chunk_key(oldest, 0, 0)..) {
-            let (k, v) = g.into_inner().map_err(|e| self.err(e))?;
+            let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
             let (epoch, lane, seq) =
                 parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
             let chunk = Chunk::decode(&v)
@@ -422,7 +451,7 @@ impl Store {
     /// [`Error::Corrupt`] for a malformed key; [`Error::Store`] for I/O.
     pub fn chunk_seqs(&self, epoch: u64, mut f: impl FnMut(u32, u64)) -> Result<()> {
         for g in self.chunks.prefix(epoch.to_be_bytes()) {
-            let k = g.key().map_err(|e| self.err(e))?;
+            let k = g.key().map_err(|e| self.read_err(e))?;
             let (_, lane, seq) =
                 parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
             f(lane, seq);
@@ -503,6 +532,31 @@ fn store_err(path: &Path, e: fjall::Error) -> Error {
     }
 }
 
+/// A read error: damage the store detected (a checksum, a malformed block,
+/// a journal that does not replay) is [`Error::Corrupt`]; anything else,
+/// such as an I/O error, is [`Error::Store`].
+fn read_err(path: &Path, e: fjall::Error) -> Error {
+    use fjall::LsmError;
+    let damage = match &e {
+        fjall::Error::Storage(inner) => !matches!(inner, LsmError::Io(_)),
+        fjall::Error::JournalRecovery(_)
+        | fjall::Error::InvalidVersion(_)
+        | fjall::Error::Decompress(_)
+        | fjall::Error::InvalidTrailer
+        | fjall::Error::InvalidTag(_)
+        | fjall::Error::Unrecoverable => true,
+        _ => false,
+    };
+    if damage {
+        Error::Corrupt {
+            path: path.to_owned(),
+            what: format!("the store found damage: {}", StoreError(e)),
+        }
+    } else {
+        store_err(path, e)
+    }
+}
+
 fn check_marker(path: &Path, text: &str) -> Result<()> {
     let mut lines = text.lines();
     if lines.next() != Some("replayguard state") {
@@ -529,10 +583,15 @@ fn check_marker(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-fn write_marker(path: &Path) -> std::io::Result<()> {
+/// Writes the marker atomically; `creating` adds the third line that says
+/// the database is not initialised yet.
+fn write_marker(path: &Path, creating: bool) -> std::io::Result<()> {
     let tmp = path.join(format!("{MARKER}.tmp"));
     let mut f = std::fs::File::create(&tmp)?;
     writeln!(f, "replayguard state\nformat {FORMAT_VERSION}")?;
+    if creating {
+        writeln!(f, "{CREATING}")?;
+    }
     f.sync_all()?;
     std::fs::rename(&tmp, path.join(MARKER))?;
     std::fs::File::open(path)?.sync_all()
