@@ -777,6 +777,33 @@ pub fn produce_integers(
     producer.flush(left.max(Duration::from_secs(1)))
 }
 
+/// The end offset (high watermark) of each partition of `topic`, asked
+/// with a metadata-only rdkafka client (10 s per request).
+///
+/// # Errors
+/// When the topic is unknown or the broker does not answer.
+pub fn end_offsets(bootstrap: &str, topic: &str) -> TestResult<BTreeMap<i32, i64>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let client: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("allow.auto.create.topics", "false")
+        .create()?;
+    let limit = Duration::from_secs(10);
+    let metadata = client.fetch_metadata(Some(topic), limit)?;
+    let partitions = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().len() as i32)
+        .ok_or_else(|| format!("end_offsets: topic {topic} is unknown"))?;
+    let mut ends = BTreeMap::new();
+    for p in 0..partitions {
+        let (_, high) = client.fetch_watermarks(topic, p, limit)?;
+        ends.insert(p, high);
+    }
+    Ok(ends)
+}
+
 // ---------------------------------------------------------------------------
 // Reading with an independent client
 

@@ -1,0 +1,275 @@
+//! The command line surface: every flag name here is relied on by users and
+//! scripts (issue 4), so rename nothing.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use replayguard::Identity;
+use replayguard::kafka::Mode;
+
+use crate::format::Format;
+
+/// Exactly-once results for Kafka without transactions: a dedup bridge
+/// (`pipe`), a guarded reader (`consume`) and a state viewer (`inspect`).
+#[derive(Debug, Parser)]
+#[command(
+    name = "replayguard",
+    version,
+    after_help = "Exit status: 0 success (also after SIGINT/SIGTERM and a final checkpoint), \
+                  1 runtime failure, 2 usage error.\n\
+                  Logs go to stderr; set RUST_LOG (default `warn`, which leaves out rdkafka's own \
+                  log; `RUST_LOG=info,rdkafka=info` shows it)."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    Pipe(PipeArgs),
+    Consume(ConsumeArgs),
+    Inspect(InspectArgs),
+}
+
+/// Options shared by `pipe` and `consume`.
+#[derive(Debug, Args)]
+pub struct GuardArgs {
+    /// Bootstrap brokers, `host:port[,host:port...]`.
+    #[arg(long, value_name = "LIST")]
+    pub brokers: String,
+
+    /// Consumer group id.
+    #[arg(long, value_name = "ID")]
+    pub group: String,
+
+    /// State folder of this instance. Created if missing (its parent must
+    /// exist); never shared by two running instances.
+    #[arg(long, value_name = "DIR")]
+    pub state: PathBuf,
+
+    /// What makes two records the same: `content` (key and value),
+    /// `key`, `header:NAME` or `offset` (replays at the same position only).
+    #[arg(long, value_name = "IDENTITY", default_value = "content", value_parser = parse_identity)]
+    pub identity: Identity,
+
+    /// Time between checkpoints, for example `500ms`, `2s`, `1m`.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    pub checkpoint_interval: Duration,
+
+    /// Completed epochs kept besides the open one: duplicates are caught
+    /// that far back.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub retention_epochs: u32,
+
+    /// Also keep epochs closed less than this long ago, for example `1h`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub retention_time: Option<Duration>,
+
+    /// Once every assigned partition is read to its high watermark, take a
+    /// final checkpoint and exit 0.
+    #[arg(long)]
+    pub stop_at_end: bool,
+
+    /// A librdkafka property, `key=value` (repeatable). --brokers and
+    /// --group win over `bootstrap.servers` and `group.id` given here.
+    #[arg(short = 'X', value_name = "KEY=VALUE", value_parser = parse_property)]
+    pub properties: Vec<(String, String)>,
+
+    /// Metadata probes before giving up on unreachable brokers (about 3.5 s
+    /// each).
+    #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub connect_attempts: u32,
+}
+
+/// Copy records from an input topic to an output topic, each exactly once.
+///
+/// Key, value and headers are kept, and every output carries the
+/// `replayguard-fp` (fingerprint) and `replayguard-src` headers. The output
+/// partition is the input's when the output has enough partitions, else
+/// the key's. Outputs are written by an idempotent producer and readable as
+/// soon as they are acked; after a crash or `kill -9`, restarting with the
+/// same --state writes nothing twice.
+#[derive(Debug, Args)]
+#[command(after_help = "Example:\n  \
+    replayguard pipe --brokers 127.0.0.1:9092 --group copy-orders \\\n    \
+    --input orders --output orders-dedup --state /var/lib/replayguard/copy-orders \\\n    \
+    --checkpoint-interval 2s -X security.protocol=plaintext\n\n\
+    SIGINT/SIGTERM: stop reading, wait for every output's ack, checkpoint, exit 0.")]
+pub struct PipeArgs {
+    #[command(flatten)]
+    pub guard: GuardArgs,
+
+    /// Input topic (repeatable).
+    #[arg(long, value_name = "TOPIC", required = true)]
+    pub input: Vec<String>,
+
+    /// Output topic.
+    #[arg(long, value_name = "TOPIC")]
+    pub output: String,
+
+    /// `guarded`: replayguard (exactly once, no transactions);
+    /// `at-least-once`: a plain copy, duplicates after a crash (baseline);
+    /// `transactional`: Kafka transactions committed at every checkpoint.
+    #[arg(long, value_name = "MODE", default_value = "guarded", value_parser = parse_mode)]
+    pub mode: Mode,
+}
+
+/// Print each fresh record of a topic once, and mark it handled once
+/// written.
+///
+/// Records handled within the retention are not printed again, whether the
+/// group replays them at the same offset or upstream resent them at new
+/// ones. A record is marked handled only after it was written and flushed
+/// to stdout; one that could not be written is printed again by the next
+/// run.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Format (like kcat -f): %s value, %k key, %t topic, %p partition, \
+    %o offset, %h headers (k=v,k=v), %% a percent sign; \\n newline, \\t tab, \\\\ backslash.\n\n\
+    Example:\n  \
+    replayguard consume --brokers 127.0.0.1:9092 --group audit --topic payments \\\n    \
+    --state ./audit-state --retention-time 1h --format '%p:%o %k=%s\\n' --stop-at-end"
+)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    pub guard: GuardArgs,
+
+    /// Topic to read (repeatable).
+    #[arg(long, value_name = "TOPIC", required = true)]
+    pub topic: Vec<String>,
+
+    /// Output format of each record (see below).
+    #[arg(long, value_name = "FORMAT", default_value = "%s\\n", value_parser = parse_format)]
+    pub format: Format,
+}
+
+/// Show a state folder: format version, epoch, positions, live epochs with
+/// their fingerprint and offset counts, bytes on disk and a memory
+/// estimate.
+///
+/// The folder must not be in use: stop its pipe or consume first.
+#[derive(Debug, Args)]
+#[command(after_help = "Example:\n  \
+    replayguard inspect --state /var/lib/replayguard/copy-orders\n  \
+    replayguard inspect --state /var/lib/replayguard/copy-orders --json | jq .positions")]
+pub struct InspectArgs {
+    /// The state folder.
+    #[arg(long, value_name = "DIR")]
+    pub state: PathBuf,
+
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e} (use a duration such as 500ms, 2s, 1m or 1h)"))
+}
+
+fn parse_format(s: &str) -> Result<Format, String> {
+    s.parse()
+}
+
+fn parse_identity(s: &str) -> Result<Identity, String> {
+    s.parse().map_err(config_text)
+}
+
+fn parse_mode(s: &str) -> Result<Mode, String> {
+    s.parse().map_err(config_text)
+}
+
+/// The library's text without its "invalid configuration" prefix, which
+/// clap's own wording already says.
+fn config_text(e: replayguard::Error) -> String {
+    match e {
+        replayguard::Error::Config(text) => text,
+        e => e.to_string(),
+    }
+}
+
+fn parse_property(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_surface() -> Result<(), Box<dyn std::error::Error>> {
+        let cli = Cli::try_parse_from([
+            "replayguard",
+            "pipe",
+            "--brokers",
+            "b:1",
+            "--group",
+            "g",
+            "--input",
+            "i",
+            "--output",
+            "o",
+            "--state",
+            "s",
+            "--mode",
+            "at-least-once",
+            "--identity",
+            "header:id",
+            "--checkpoint-interval",
+            "500ms",
+            "--retention-time",
+            "1h",
+            "-X",
+            "linger.ms=7",
+        ])?;
+        let Command::Pipe(p) = cli.command else {
+            return Err(format!("parsed as another command: {cli:?}").into());
+        };
+        assert_eq!(p.mode, Mode::AtLeastOnce);
+        assert_eq!(p.guard.identity, Identity::Header("id".into()));
+        assert_eq!(p.guard.checkpoint_interval, Duration::from_millis(500));
+        assert_eq!(p.guard.retention_time, Some(Duration::from_secs(3600)));
+        assert_eq!(
+            p.guard.properties,
+            vec![("linger.ms".to_owned(), "7".to_owned())]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors() {
+        for bad in [
+            ["--identity", "colour"],
+            ["--checkpoint-interval", "soon"],
+            ["-X", "novalue"],
+            ["--format", "%x"],
+        ] {
+            let mut args = vec![
+                "replayguard",
+                "consume",
+                "--brokers",
+                "b:1",
+                "--group",
+                "g",
+                "--topic",
+                "t",
+                "--state",
+                "s",
+            ];
+            args.extend(bad);
+            let e = Cli::try_parse_from(args).err();
+            assert_eq!(e.map(|e| e.exit_code()), Some(2), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,95 @@
+//! `replayguard consume`: the guarded consumer (G2), printing each fresh
+//! record and acking it once it is written.
+
+use std::io::{ErrorKind, IsTerminal, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use replayguard::kafka::GuardedConsumer;
+
+use crate::cli::ConsumeArgs;
+use crate::common::{self, Failure, Stop};
+use crate::progress::Progress;
+
+/// How the read loop ended.
+enum End {
+    /// A stop, the end of the input, or a closed stdout: checkpoint.
+    Clean,
+    /// stdout failed otherwise: checkpoint what was written, then fail.
+    Output(std::io::Error),
+    /// The guard failed: leave its state as it is.
+    Guard(replayguard::Error),
+}
+
+pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
+    let g = &args.guard;
+    common::check_properties(g)?;
+    common::check_state_for_run(&g.state)?;
+    let mut builder = GuardedConsumer::builder(common::consumer_config(g), &g.state)
+        .identity(g.identity.clone())
+        .checkpoint_interval(g.checkpoint_interval)
+        .retention_epochs(g.retention_epochs)
+        .retention_time(g.retention_time)
+        .stop_at_end(g.stop_at_end)
+        .connect_attempts(g.connect_attempts);
+    for topic in &args.topic {
+        builder = builder.topic(topic);
+    }
+    let stop = Stop::install()?;
+    let Some(consumer) = common::start(move || builder.build(), &stop).await? else {
+        return Ok(());
+    };
+    let consumer = Arc::new(consumer);
+    // Records on the same terminal would break the progress line.
+    let watched = consumer.clone();
+    let progress = Progress::start(!std::io::stdout().is_terminal(), false, move || {
+        watched.stats()
+    });
+
+    let mut stopped = std::pin::pin!(stop.wait());
+    let mut stdout = std::io::stdout();
+    let mut line = Vec::new();
+    let end = loop {
+        let next = tokio::select! {
+            biased;
+            () = &mut stopped => break End::Clean,
+            next = consumer.recv() => next,
+        };
+        let record = match next {
+            Ok(Some(record)) => record,
+            Ok(None) => break End::Clean,
+            Err(e) => break End::Guard(e),
+        };
+        line.clear();
+        args.format.render(record.message(), &mut line);
+        // Acked only once written: a record lost in a failed write is
+        // delivered again by the next run.
+        match stdout.write_all(&line).and_then(|()| stdout.flush()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::BrokenPipe => {
+                tracing::info!("stdout closed; stopping");
+                break End::Clean;
+            }
+            Err(e) => break End::Output(e),
+        }
+        if let Err(e) = consumer.ack(&record) {
+            break End::Guard(e);
+        }
+    };
+    let result = match end {
+        End::Clean => consumer.checkpoint().await.map_err(Failure::from),
+        End::Output(e) => {
+            let failure = Failure::runtime(format!(
+                "writing to stdout failed: {e}; the records not written are delivered again by the next run"
+            ));
+            match consumer.checkpoint().await {
+                Ok(()) => Err(failure),
+                Err(cp) => Err(Failure::runtime(format!("{}; then {cp}", failure.message))),
+            }
+        }
+        End::Guard(e) => Err(Failure::from(e)),
+    };
+    progress.finish(consumer.stats()).await;
+    common::close(consumer, Duration::from_secs(10));
+    result
+}

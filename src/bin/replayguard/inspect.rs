@@ -1,0 +1,227 @@
+//! `replayguard inspect`: what a state folder holds.
+
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Write};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use replayguard::store::FORMAT_VERSION;
+use replayguard::{Error, Guard};
+use serde::Serialize;
+
+use crate::cli::InspectArgs;
+use crate::common::{self, Failure};
+
+#[derive(Debug, Serialize)]
+struct Report {
+    path: String,
+    format: u32,
+    /// The open epoch (the number of the last checkpoint).
+    epoch: u64,
+    checkpointed_at_ms: Option<u64>,
+    positions: Vec<Position>,
+    epochs: Vec<EpochRow>,
+    disk_bytes: u64,
+    memory_bytes: u64,
+    /// The manifest's sink bytes, decoded when they are JSON.
+    sink: Option<serde_json::Value>,
+    /// The sink bytes in hex when they are not JSON.
+    sink_hex: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Position {
+    topic: String,
+    partition: i32,
+    next_offset: u64,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct EpochRow {
+    epoch: u64,
+    opened_at_ms: Option<u64>,
+    closed_at_ms: Option<u64>,
+    fingerprints: u64,
+    offsets: u64,
+    lanes: Vec<LaneRow>,
+}
+
+#[derive(Debug, Serialize)]
+struct LaneRow {
+    topic: String,
+    partition: i32,
+    fingerprints: u64,
+    offsets: u64,
+}
+
+pub fn run(args: &InspectArgs) -> Result<(), Failure> {
+    // Opening a folder that is not already a state folder would make one.
+    common::check_state_exists(&args.state)?;
+    let report = read(&args.state)?;
+    let text = if args.json {
+        let mut t = serde_json::to_string_pretty(&report)
+            .map_err(|e| Failure::runtime(format!("encoding the report failed: {e}")))?;
+        t.push('\n');
+        t
+    } else {
+        table(&report)
+    };
+    match std::io::stdout().write_all(text.as_bytes()) {
+        // A reader that stopped early (`| head`) is not a failure.
+        Err(e) if e.kind() != ErrorKind::BrokenPipe => {
+            Err(Failure::runtime(format!("writing to stdout failed: {e}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn read(path: &Path) -> Result<Report, Failure> {
+    let guard = Guard::builder(path).open().map_err(|e| match e {
+        Error::InUse { path } => Failure::runtime(format!(
+            "state folder {} is in use by a running replayguard; stop it first (inspect needs the folder's lock)",
+            path.display()
+        )),
+        e => Failure::runtime(e),
+    })?;
+    let stats = guard.stats();
+    let manifest = guard.manifest().cloned();
+    let mut epochs: BTreeMap<u64, EpochRow> = BTreeMap::new();
+    let mut positions = Vec::new();
+    let (mut sink, mut sink_hex) = (None, None);
+    if let Some(m) = &manifest {
+        for e in &m.epochs {
+            let row = epochs.entry(e.epoch).or_default();
+            row.opened_at_ms = Some(e.opened_at_ms);
+            row.closed_at_ms = e.closed_at_ms;
+        }
+        for p in &m.positions {
+            positions.push(Position {
+                topic: p.lane.topic.clone(),
+                partition: p.lane.partition,
+                next_offset: p.next_offset,
+            });
+        }
+        positions.sort_by(|a, b| (&a.topic, a.partition).cmp(&(&b.topic, b.partition)));
+        if !m.sink.is_empty() {
+            match serde_json::from_slice(&m.sink) {
+                Ok(v) => sink = Some(v),
+                Err(_) => sink_hex = Some(m.sink.iter().map(|b| format!("{b:02x}")).collect()),
+            }
+        }
+    }
+    for (lane, epoch, fingerprints, offsets) in guard.epoch_table() {
+        let row = epochs.entry(epoch).or_default();
+        row.fingerprints += fingerprints;
+        row.offsets += offsets;
+        row.lanes.push(LaneRow {
+            topic: lane.topic,
+            partition: lane.partition,
+            fingerprints,
+            offsets,
+        });
+    }
+    let epochs = epochs
+        .into_iter()
+        .map(|(epoch, mut row)| {
+            row.epoch = epoch;
+            row.lanes
+                .sort_by(|a, b| (&a.topic, a.partition).cmp(&(&b.topic, b.partition)));
+            row
+        })
+        .collect();
+    Ok(Report {
+        path: path.display().to_string(),
+        format: manifest.as_ref().map_or(FORMAT_VERSION, |m| m.format),
+        epoch: guard.epoch(),
+        checkpointed_at_ms: manifest.as_ref().map(|m| m.checkpointed_at_ms),
+        positions,
+        epochs,
+        disk_bytes: stats.disk_bytes,
+        memory_bytes: guard.memory_bytes() as u64,
+        sink,
+        sink_hex,
+    })
+}
+
+fn time(ms: Option<u64>) -> String {
+    match ms {
+        Some(ms) => {
+            humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+        }
+        None => "-".into(),
+    }
+}
+
+fn ago(ms: u64) -> String {
+    let at = UNIX_EPOCH + Duration::from_millis(ms);
+    match SystemTime::now().duration_since(at) {
+        Ok(d) => format!(
+            "{} ago",
+            humantime::format_duration(Duration::from_secs(d.as_secs()))
+        ),
+        Err(_) => "in the future".into(),
+    }
+}
+
+fn table(r: &Report) -> String {
+    let mut t = String::new();
+    let checkpoint = match r.checkpointed_at_ms {
+        Some(ms) => format!("last checkpoint {} ({})", time(Some(ms)), ago(ms)),
+        None => "no checkpoint yet".into(),
+    };
+    t += &format!("state folder  {}\n", r.path);
+    t += &format!("format        {}\n", r.format);
+    t += &format!("epoch         {} ({checkpoint})\n", r.epoch);
+    t += &format!("on disk       {} bytes\n", r.disk_bytes);
+    t += &format!(
+        "memory        {} bytes (estimate, index of live epochs)\n",
+        r.memory_bytes
+    );
+
+    t += "\npositions (next offset to read)\n";
+    if r.positions.is_empty() {
+        t += "  none\n";
+    }
+    let width = r
+        .positions
+        .iter()
+        .map(|p| p.topic.len() + p.partition.to_string().len() + 2)
+        .max()
+        .unwrap_or(0);
+    for p in &r.positions {
+        let lane = format!("{}[{}]", p.topic, p.partition);
+        t += &format!("  {lane:<width$}  {}\n", p.next_offset);
+    }
+
+    t += "\nlive epochs\n";
+    t += &format!(
+        "  {:<8} {:<22} {:<22} {:>12} {:>12}\n",
+        "epoch", "opened", "closed", "fingerprints", "offsets"
+    );
+    for e in &r.epochs {
+        let closed = match (e.closed_at_ms, e.epoch == r.epoch) {
+            (None, true) => "open".to_owned(),
+            (ms, _) => time(ms),
+        };
+        t += &format!(
+            "  {:<8} {:<22} {:<22} {:>12} {:>12}\n",
+            e.epoch,
+            time(e.opened_at_ms),
+            closed,
+            e.fingerprints,
+            e.offsets
+        );
+        for l in &e.lanes {
+            let lane = format!("{}[{}]", l.topic, l.partition);
+            t += &format!("    {lane:<52} {:>12} {:>12}\n", l.fingerprints, l.offsets);
+        }
+    }
+
+    t += "\nsink (output end offsets)\n";
+    match (&r.sink, &r.sink_hex) {
+        (Some(v), _) => t += &format!("  {v}\n"),
+        (None, Some(hex)) => t += &format!("  0x{hex}\n"),
+        (None, None) => t += "  none\n",
+    }
+    t
+}

@@ -1,0 +1,88 @@
+//! The `replayguard` command: a dedup bridge between two topics (`pipe`), a
+//! guarded reader (`consume`) and a state viewer (`inspect`), for users who
+//! want the guarantees without writing Rust.
+//!
+//! Errors are one line on stderr, `replayguard: error: ...`, with exit
+//! status 1 for a runtime failure and 2 for a usage error (clap's own, or a
+//! configuration the library refuses before touching a broker).
+
+#![deny(clippy::unwrap_used, clippy::expect_used)]
+
+mod cli;
+mod common;
+mod consume;
+mod format;
+mod inspect;
+mod pipe;
+mod progress;
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::{Cli, Command};
+use crate::common::Failure;
+
+/// Our own warnings and errors. rdkafka's log (which repeats every
+/// connection failure, and reports each partition end as an error) only on
+/// request: the library turns the failures that matter into its errors.
+const DEFAULT_LOG: &str = "warn,rdkafka=off,librdkafka=off";
+
+fn main() -> ExitCode {
+    // Usage errors exit 2 here, `--help` and `--version` exit 0.
+    let cli = Cli::parse();
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return report(&Failure::runtime(format!("cannot start the runtime: {e}"))),
+    };
+    let result = runtime.block_on(run(cli));
+    // A start-up interrupted by a signal can leave a blocking broker probe
+    // behind; exit without waiting for it.
+    runtime.shutdown_background();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => report(&failure),
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    match cli.command {
+        Command::Pipe(args) => pipe::run(args).await,
+        Command::Consume(args) => consume::run(args).await,
+        Command::Inspect(args) => inspect::run(&args),
+    }
+}
+
+/// Prints the one error line and returns the exit status.
+fn report(failure: &Failure) -> ExitCode {
+    progress::clear_line();
+    let message = failure.message.replace(['\n', '\r'], " ");
+    // Nothing more can be done when stderr itself is closed.
+    let _ = writeln!(std::io::stderr(), "replayguard: error: {message}");
+    ExitCode::from(failure.code)
+}
+
+fn init_logging() {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            let _ = writeln!(
+                std::io::stderr(),
+                "replayguard: warning: RUST_LOG={spec:?} is not a valid filter ({e}); using `{DEFAULT_LOG}`"
+            );
+            EnvFilter::new(DEFAULT_LOG)
+        }),
+        Err(_) => EnvFilter::new(DEFAULT_LOG),
+    };
+    // Fails only when a subscriber is already installed, which is fine.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(progress::LogWriter)
+        .try_init();
+}

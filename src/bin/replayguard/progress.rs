@@ -1,0 +1,129 @@
+//! The progress line on a terminal's stderr, and a log writer that does not
+//! write over it.
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use replayguard::kafka::PipelineStats;
+use tokio::task::JoinHandle;
+use tracing_subscriber::fmt::MakeWriter;
+
+/// True while a progress line (with no newline) is on the terminal.
+static ON_SCREEN: AtomicBool = AtomicBool::new(false);
+
+const CLEAR: &[u8] = b"\r\x1b[2K";
+
+/// Erases the progress line, if one is shown, so that the next text starts
+/// on a clean line.
+pub fn clear_line() {
+    if ON_SCREEN.swap(false, Ordering::SeqCst) {
+        let _ = std::io::stderr().write_all(CLEAR);
+    }
+}
+
+/// The tracing writer: stderr, after erasing the progress line.
+pub struct LogWriter;
+
+impl<'a> MakeWriter<'a> for LogWriter {
+    type Writer = std::io::Stderr;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        clear_line();
+        std::io::stderr()
+    }
+}
+
+/// A once-a-second progress line; does nothing unless enabled.
+pub struct Progress {
+    task: Option<JoinHandle<()>>,
+    outputs: bool,
+}
+
+impl Progress {
+    /// Shows `stats()` once a second on stderr when `enabled` and stderr is
+    /// a terminal. `outputs` says whether the output count means anything.
+    pub fn start<F>(enabled: bool, outputs: bool, stats: F) -> Progress
+    where
+        F: Fn() -> PipelineStats + Send + 'static,
+    {
+        if !enabled || !std::io::stderr().is_terminal() {
+            return Progress {
+                task: None,
+                outputs,
+            };
+        }
+        let task = tokio::spawn(async move {
+            let mut line = Line::new(outputs);
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let text = line.update(&stats());
+                let mut err = std::io::stderr().lock();
+                let _ = err.write_all(CLEAR);
+                let _ = err.write_all(text.as_bytes());
+                let _ = err.flush();
+                ON_SCREEN.store(true, Ordering::SeqCst);
+            }
+        });
+        Progress {
+            task: Some(task),
+            outputs,
+        }
+    }
+
+    /// Stops the line; prints a last summary of `stats` when it was shown.
+    pub async fn finish(self, stats: PipelineStats) {
+        let Some(task) = self.task else { return };
+        task.abort();
+        let _ = task.await;
+        clear_line();
+        let text = Line::new(self.outputs).update(&stats);
+        let _ = writeln!(std::io::stderr(), "{text}");
+    }
+}
+
+/// What the line remembers between updates.
+struct Line {
+    outputs: bool,
+    checkpoints: u64,
+    last_checkpoint: Option<Instant>,
+}
+
+impl Line {
+    fn new(outputs: bool) -> Self {
+        Line {
+            outputs,
+            checkpoints: 0,
+            last_checkpoint: None,
+        }
+    }
+
+    fn update(&mut self, s: &PipelineStats) -> String {
+        if s.checkpoints != self.checkpoints {
+            self.checkpoints = s.checkpoints;
+            self.last_checkpoint = Some(Instant::now());
+        }
+        let mut text = format!("in {}", s.records_in);
+        if self.outputs {
+            text.push_str(&format!("  out {}", s.outputs));
+        }
+        text.push_str(&format!("  duplicates dropped {}", s.duplicates));
+        match self.last_checkpoint {
+            Some(at) => text.push_str(&format!(
+                "  checkpoints {} (last {}s ago)",
+                s.checkpoints,
+                at.elapsed().as_secs()
+            )),
+            None => text.push_str("  no checkpoint yet"),
+        }
+        if let Some(g) = &s.guard {
+            text.push_str(&format!(
+                "  epoch {}  live fingerprints {}",
+                g.epoch, g.live_fingerprints
+            ));
+        }
+        text
+    }
+}

@@ -1,0 +1,818 @@
+//! The `replayguard` command run as a separate process against the mock
+//! broker process: `pipe`, `consume` and `inspect`, `--stop-at-end`,
+//! SIGTERM, SIGKILL and restart, and one test per error a user can meet,
+//! each of which must be one line with the right exit status.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use replayguard::kafka::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
+use support::{
+    MockBroker, NewRecord, PyClient, TestProducer, TestResult, check_each_once, end_offsets,
+    free_port, integers, produce, produce_integers, read_topic, run_bounded, send_signal,
+    wait_bounded,
+};
+
+/// The mock's first group join takes about 3 s; a run to the end of a small
+/// topic takes a few more.
+const RUN_LIMIT: Duration = Duration::from_secs(90);
+
+/// The command, with the default log filter whatever the caller's
+/// environment says.
+fn replayguard() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_replayguard"));
+    c.env_remove("RUST_LOG").env_remove("RUST_BACKTRACE");
+    c
+}
+
+/// `pipe` from `input` to `output` in `group`, with the mock-friendly
+/// session timeout, plus `extra`.
+fn pipe(broker: &MockBroker, group: &str, state: &Path, extra: &[&str]) -> Command {
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", broker.bootstrap(), "--group", group])
+        .args(["--input", "in", "--output", "out", "--state"])
+        .arg(state)
+        .args(["-X", "session.timeout.ms=6000"])
+        .args(extra);
+    c
+}
+
+fn consume(broker: &MockBroker, topic: &str, state: &Path, extra: &[&str]) -> Command {
+    let mut c = replayguard();
+    c.arg("consume")
+        .args(["--brokers", broker.bootstrap(), "--group", "reader"])
+        .args(["--topic", topic, "--state"])
+        .arg(state)
+        .args(["-X", "session.timeout.ms=6000"])
+        .args(extra);
+    c
+}
+
+fn inspect(state: &Path, json: bool) -> TestResult<Output> {
+    let mut c = replayguard();
+    c.arg("inspect").arg("--state").arg(state);
+    if json {
+        c.arg("--json");
+    }
+    run_bounded(&mut c, Duration::from_secs(30))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Checks a run that must succeed.
+fn success(out: &Output, what: &str) -> TestResult {
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed ({}): {}", out.status, text(&out.stderr)).into())
+    }
+}
+
+/// Checks a failed run: exit status `code`, and stderr holding exactly one
+/// error line, the last, with everything else a log line and no panic.
+/// Returns the error line's text after `replayguard: error: `.
+fn one_error_line(out: &Output, code: i32) -> TestResult<String> {
+    let stderr = text(&out.stderr);
+    if out.status.code() != Some(code) {
+        return Err(format!("expected exit {code}, got {}: {stderr}", out.status).into());
+    }
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    let errors: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("replayguard: error: "))
+        .collect();
+    if errors.len() != 1
+        || !lines
+            .last()
+            .is_some_and(|l| l.starts_with("replayguard: error: "))
+    {
+        return Err(format!("expected one error line, last; stderr:\n{stderr}").into());
+    }
+    for l in &lines[..lines.len() - 1] {
+        if !l.contains(" WARN ") {
+            return Err(format!("stray stderr line {l:?}; stderr:\n{stderr}").into());
+        }
+    }
+    if stderr.contains("panicked") || stderr.contains("RUST_BACKTRACE") {
+        return Err(format!("a panic: {stderr}").into());
+    }
+    Ok(lines[lines.len() - 1]["replayguard: error: ".len()..].to_owned())
+}
+
+/// Checks a clap usage error: exit 2, clap's `error:` line naming `flag`.
+fn usage_error(out: &Output, flag: &str) -> TestResult {
+    let stderr = text(&out.stderr);
+    if out.status.code() != Some(2) {
+        return Err(format!("expected exit 2, got {}: {stderr}", out.status).into());
+    }
+    let first = stderr.lines().next().unwrap_or_default();
+    if !first.starts_with("error: ") || !first.contains(flag) || stderr.contains("panicked") {
+        return Err(format!("expected a usage error naming {flag}; stderr:\n{stderr}").into());
+    }
+    Ok(())
+}
+
+fn expect_contains(haystack: &str, needle: &str) -> TestResult {
+    if haystack.contains(needle) {
+        Ok(())
+    } else {
+        Err(format!("expected {needle:?} in {haystack:?}").into())
+    }
+}
+
+/// Sum of the end offsets of `topic`.
+fn total(broker: &MockBroker, topic: &str) -> TestResult<i64> {
+    Ok(end_offsets(broker.bootstrap(), topic)?.values().sum())
+}
+
+/// Waits until `topic` holds at least `n` records.
+fn wait_for_records(broker: &MockBroker, topic: &str, n: i64, limit: Duration) -> TestResult {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = total(broker, topic)?;
+        if now >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("{topic} has {now} records, not {n}, after {limit:?}").into());
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The files of a folder with their bytes, to see that nothing changed.
+fn snapshot(dir: &Path) -> TestResult<BTreeMap<String, Vec<u8>>> {
+    let mut files = BTreeMap::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                let name = path.strip_prefix(dir)?.display().to_string();
+                files.insert(name, std::fs::read(&path)?);
+            }
+        }
+    }
+    Ok(files)
+}
+
+// ---------------------------------------------------------------------------
+// pipe
+
+#[test]
+fn pipe_stop_at_end_copies_each_record_once_with_its_headers() -> TestResult {
+    let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
+    let records = (1..=300u64).map(|n| NewRecord {
+        key: Some(n.to_string().into_bytes()),
+        value: Some(n.to_string().into_bytes()),
+        headers: vec![
+            ("origin".into(), Some(format!("h{n}").into_bytes())),
+            ("empty".into(), None),
+        ],
+        partition: None,
+    });
+    produce(broker.bootstrap(), "in", records)?;
+    let state = tempfile::tempdir()?;
+    let out = run_bounded(
+        &mut pipe(&broker, "copy", state.path(), &["--stop-at-end"]),
+        RUN_LIMIT,
+    )?;
+    success(&out, "pipe --stop-at-end")?;
+    // stderr is not a terminal: no progress line.
+    let stderr = text(&out.stderr);
+    if stderr.contains("duplicates dropped") {
+        return Err(format!("progress on a non-terminal stderr: {stderr}").into());
+    }
+
+    let copied = read_topic(broker.bootstrap(), "out", PyClient::Confluent)?;
+    check_each_once(&integers(&copied)?, 1..=300)?;
+    for r in &copied {
+        let n = r.value_str().unwrap_or_default();
+        let expected_key = n.as_bytes();
+        let origin = format!("h{n}").into_bytes();
+        let src = r
+            .header(SOURCE_HEADER)
+            .flatten()
+            .and_then(SourcePosition::decode)
+            .ok_or_else(|| format!("{n}: no readable {SOURCE_HEADER} header"))?;
+        let fp = r
+            .header(FINGERPRINT_HEADER)
+            .flatten()
+            .ok_or_else(|| format!("{n}: no {FINGERPRINT_HEADER} header"))?;
+        let ok = r.key.as_deref() == Some(expected_key)
+            && r.header("origin") == Some(Some(&origin[..]))
+            && r.header("empty").is_some()
+            && fp.len() == 17
+            && src.topic == "in"
+            // Two output partitions for two input partitions: kept.
+            && src.partition == r.partition;
+        if !ok {
+            return Err(format!("record {n} was not copied faithfully: {r:?}").into());
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn pipe_killed_with_sigkill_and_restarted_writes_each_value_once() -> TestResult {
+    const N: u64 = 30_000;
+    let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
+    let bootstrap = broker.bootstrap().to_owned();
+    // Input keeps arriving while the pipe is killed and restarted.
+    let feeder = thread::spawn(move || -> TestResult {
+        let mut producer = TestProducer::new(&bootstrap, "in")?;
+        for n in 1..=N {
+            producer.send_integer(n)?;
+            if n % 100 == 0 {
+                producer.flush(Duration::from_secs(30))?;
+                thread::sleep(Duration::from_millis(30));
+            }
+        }
+        producer.flush(Duration::from_secs(60))?;
+        Ok(())
+    });
+    let state = tempfile::tempdir()?;
+    let mut rng = rand::rng();
+    let mut kills = 0;
+    for _ in 0..3 {
+        let before = total(&broker, "out")?;
+        if before >= N as i64 {
+            break;
+        }
+        let mut child = pipe(
+            &broker,
+            "crashy",
+            state.path(),
+            &["--checkpoint-interval", "300ms"],
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+        // Kill it while it copies: after some new output, at a random moment.
+        let target = (before + 500).min(N as i64);
+        let progress = wait_for_records(&broker, "out", target, Duration::from_secs(60));
+        thread::sleep(Duration::from_millis(rng.random_range(0..400)));
+        child.kill()?;
+        child.wait()?;
+        progress?;
+        kills += 1;
+    }
+    feeder.join().map_err(|_| "the feeder panicked")??;
+    let out = run_bounded(
+        &mut pipe(&broker, "crashy", state.path(), &["--stop-at-end"]),
+        RUN_LIMIT,
+    )?;
+    success(&out, "pipe --stop-at-end after the kills")?;
+    if kills == 0 {
+        return Err("no kill landed mid-run".into());
+    }
+    let copied = read_topic(broker.bootstrap(), "out", PyClient::Confluent)?;
+    check_each_once(&integers(&copied)?, 1..=N)
+}
+
+#[test]
+fn sigterm_takes_a_final_checkpoint_and_exits_zero() -> TestResult {
+    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=100)?;
+    let state = tempfile::tempdir()?;
+    // A long interval: the positions inspect sees come from the final
+    // checkpoint, not a periodic one.
+    let mut child = pipe(
+        &broker,
+        "term",
+        state.path(),
+        &["--checkpoint-interval", "1h"],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    let stderr = child.stderr.take().ok_or("no stderr")?;
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            s += &line;
+            s.push('\n');
+        }
+        s
+    });
+    let copied = wait_for_records(&broker, "out", 100, Duration::from_secs(60));
+    send_signal(child.id(), "TERM")?;
+    let status = wait_bounded(&mut child, Duration::from_secs(30));
+    if status.is_err() {
+        let _ = child.kill();
+    }
+    let status = status?;
+    copied?;
+    let stderr = stderr.join().map_err(|_| "stderr reader panicked")?;
+    if !status.success() || stderr.contains("replayguard: error") {
+        return Err(format!("SIGTERM: {status}, stderr: {stderr}").into());
+    }
+    let report = inspect(state.path(), true)?;
+    success(&report, "inspect")?;
+    let json: serde_json::Value = serde_json::from_slice(&report.stdout)?;
+    let positions = &json["positions"];
+    let expected = serde_json::json!([{"topic": "in", "partition": 0, "next_offset": 100}]);
+    if *positions != expected || json["epoch"].as_u64().is_none_or(|e| e < 1) {
+        return Err(format!("after SIGTERM inspect shows {json}").into());
+    }
+    check_each_once(
+        &integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?,
+        1..=100,
+    )
+}
+
+#[test]
+fn a_second_instance_on_the_same_state_folder_is_refused() -> TestResult {
+    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=10)?;
+    let state = tempfile::tempdir()?;
+    let mut first = pipe(&broker, "busy", state.path(), &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let result = (|| -> TestResult {
+        // Output means the first one holds the state.
+        wait_for_records(&broker, "out", 10, Duration::from_secs(60))?;
+        let second = run_bounded(&mut pipe(&broker, "busy", state.path(), &[]), RUN_LIMIT)?;
+        let line = one_error_line(&second, 1)?;
+        expect_contains(&line, "is in use by another replayguard instance")?;
+        let viewed = inspect(state.path(), false)?;
+        let line = one_error_line(&viewed, 1)?;
+        expect_contains(&line, "in use")
+    })();
+    send_signal(first.id(), "TERM")?;
+    let status = wait_bounded(&mut first, Duration::from_secs(30));
+    if status.is_err() {
+        let _ = first.kill();
+    }
+    result?;
+    if !status?.success() {
+        return Err("the first instance did not exit 0 on SIGTERM".into());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// consume
+
+#[test]
+fn consume_prints_each_value_once_despite_upstream_resends() -> TestResult {
+    let broker = MockBroker::start(&[("events", 1)])?;
+    let resent = [
+        32, 34, 35, 36, 40, 41, 46, 31, 33, 37, 38, 39, 42, 43, 44, 45,
+    ];
+    produce_integers(broker.bootstrap(), "events", (1..=40).chain(resent))?;
+    let state = tempfile::tempdir()?;
+    let out = run_bounded(
+        &mut consume(
+            &broker,
+            "events",
+            state.path(),
+            &["--stop-at-end", "--retention-time", "1h"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&out, "consume --stop-at-end")?;
+    let printed: Vec<u64> = text(&out.stdout)
+        .lines()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    // 41..46 are new values: once each; the rest were resends.
+    check_each_once(&printed, 1..=46)?;
+    // Everything is handled, so a second run prints nothing.
+    let again = run_bounded(
+        &mut consume(&broker, "events", state.path(), &["--stop-at-end"]),
+        RUN_LIMIT,
+    )?;
+    success(&again, "second consume")?;
+    if !again.stdout.is_empty() {
+        return Err(format!("second run printed {:?}", text(&again.stdout)).into());
+    }
+    Ok(())
+}
+
+#[test]
+fn consume_format_prints_key_partition_offset_topic_and_headers() -> TestResult {
+    let broker = MockBroker::start(&[("fmt", 2)])?;
+    produce(
+        broker.bootstrap(),
+        "fmt",
+        [
+            NewRecord {
+                key: Some(b"k1".to_vec()),
+                value: Some(b"v1".to_vec()),
+                headers: vec![("a".into(), Some(b"1".to_vec())), ("b".into(), None)],
+                partition: Some(1),
+            },
+            NewRecord {
+                key: None,
+                value: Some(b"v2".to_vec()),
+                headers: Vec::new(),
+                partition: Some(0),
+            },
+        ],
+    )?;
+    let state = tempfile::tempdir()?;
+    let out = run_bounded(
+        &mut consume(
+            &broker,
+            "fmt",
+            state.path(),
+            &[
+                "--stop-at-end",
+                "--format",
+                "%t|%p|%o|%k|%s|%h|100%%\\t.\\n",
+            ],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&out, "consume --format")?;
+    let lines: BTreeSet<String> = text(&out.stdout).lines().map(str::to_owned).collect();
+    let expected: BTreeSet<String> = ["fmt|1|0|k1|v1|a=1,b=|100%\t.", "fmt|0|0||v2||100%\t."]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    if lines != expected || text(&out.stdout).lines().count() != 2 {
+        return Err(format!("printed {:?}", text(&out.stdout)).into());
+    }
+    Ok(())
+}
+
+#[test]
+fn consume_stops_cleanly_when_stdout_closes() -> TestResult {
+    const N: u64 = 20_000;
+    let broker = MockBroker::start(&[("many", 1)])?;
+    produce_integers(broker.bootstrap(), "many", 1..=N)?;
+    let state = tempfile::tempdir()?;
+    let mut child = consume(&broker, "many", state.path(), &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let mut first = Vec::new();
+    for line in BufReader::new(stdout).lines().take(5) {
+        first.push(line?.parse::<u64>()?);
+    }
+    // The reader is gone: the next write fails with EPIPE.
+    let status = wait_bounded(&mut child, Duration::from_secs(30));
+    if status.is_err() {
+        let _ = child.kill();
+    }
+    let status = status?;
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().ok_or("no stderr")?, &mut stderr)?;
+    if !status.success() || stderr.contains("replayguard: error") {
+        return Err(format!("closed stdout: {status}, stderr: {stderr}").into());
+    }
+    if first != [1, 2, 3, 4, 5] {
+        return Err(format!("first run printed {first:?}").into());
+    }
+    // The next run carries on where the written records end: a contiguous
+    // tail, none of what was already read.
+    let rest = run_bounded(
+        &mut consume(&broker, "many", state.path(), &["--stop-at-end"]),
+        RUN_LIMIT,
+    )?;
+    success(&rest, "consume after a closed stdout")?;
+    let rest: Vec<u64> = text(&rest.stdout)
+        .lines()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let start = rest.first().copied().unwrap_or(N + 1);
+    if start <= 5 || start > N || rest != (start..=N).collect::<Vec<_>>() {
+        return Err(format!(
+            "second run printed {} values from {start:?}, not a contiguous tail after 5",
+            rest.len()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// inspect
+
+#[test]
+fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {
+    let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=50)?;
+    let state = tempfile::tempdir()?;
+    let run = run_bounded(
+        &mut pipe(
+            &broker,
+            "viewed",
+            state.path(),
+            &["--stop-at-end", "--retention-epochs", "3"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&run, "pipe")?;
+    let ends = end_offsets(broker.bootstrap(), "in")?;
+
+    // Opening the store lets fjall tidy its own files under db/ (it trims
+    // the preallocated journal and drops superseded version files), so what
+    // must not change is everything else, and what the state says.
+    let outside_db = |files: BTreeMap<String, Vec<u8>>| {
+        files
+            .into_iter()
+            .filter(|(name, _)| !name.starts_with("db/"))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let before = outside_db(snapshot(state.path())?);
+    let table = inspect(state.path(), false)?;
+    success(&table, "inspect")?;
+    let json = inspect(state.path(), true)?;
+    success(&json, "inspect --json")?;
+    let again = inspect(state.path(), true)?;
+    success(&again, "inspect --json again")?;
+    if outside_db(snapshot(state.path())?) != before || before.len() != 2 {
+        return Err(format!("inspect changed the state folder: {:?}", before.keys()).into());
+    }
+    if json.stdout != again.stdout {
+        return Err("two inspections disagree".into());
+    }
+
+    let table = text(&table.stdout);
+    expect_contains(&table, "format        1\n")?;
+    for (p, end) in &ends {
+        expect_contains(&table, &format!("  in[{p}]  {end}\n"))?;
+    }
+    expect_contains(&table, "live epochs")?;
+    expect_contains(&table, r#""t":"out""#)?;
+
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout)?;
+    let positions: BTreeMap<i64, i64> = json["positions"]
+        .as_array()
+        .ok_or("no positions")?
+        .iter()
+        .map(|p| {
+            (
+                p["partition"].as_i64().unwrap_or(-1),
+                p["next_offset"].as_i64().unwrap_or(-1),
+            )
+        })
+        .collect();
+    let expected: BTreeMap<i64, i64> = ends.iter().map(|(p, e)| (i64::from(*p), *e)).collect();
+    let epochs = json["epochs"].as_array().ok_or("no epochs")?;
+    let handled: u64 = epochs
+        .iter()
+        .map(|e| e["offsets"].as_u64().unwrap_or(0))
+        .sum();
+    let sink_ends: i64 = json["sink"]["e"]
+        .as_object()
+        .ok_or("no sink ends")?
+        .values()
+        .map(|v| v.as_i64().unwrap_or(0))
+        .sum();
+    let ok = json["format"] == 1
+        && positions == expected
+        // Three completed epochs kept: the 50 offsets are still remembered.
+        && handled == 50
+        && json["sink"]["t"] == "out"
+        && sink_ends == 50
+        && json["disk_bytes"].as_u64().is_some_and(|b| b > 0)
+        && json["memory_bytes"].as_u64().is_some_and(|b| b > 0);
+    if !ok {
+        return Err(format!("inspect --json shows {json}").into());
+    }
+    Ok(())
+}
+
+#[test]
+fn inspect_refuses_a_missing_or_foreign_folder_and_creates_nothing() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("nope");
+    let line = one_error_line(&inspect(&missing, false)?, 1)?;
+    expect_contains(&line, "does not exist")?;
+    if missing.exists() {
+        return Err("inspect created the missing folder".into());
+    }
+
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir(&foreign)?;
+    std::fs::write(foreign.join("notes.txt"), "mine")?;
+    let line = one_error_line(&inspect(&foreign, true)?, 1)?;
+    expect_contains(&line, "is not a replayguard state folder")?;
+
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty)?;
+    let line = one_error_line(&inspect(&empty, false)?, 1)?;
+    expect_contains(&line, "is not a replayguard state folder")?;
+    if std::fs::read_dir(&empty)?.next().is_some() {
+        return Err("inspect wrote into an empty folder".into());
+    }
+    if snapshot(&foreign)?.len() != 1 {
+        return Err("inspect wrote into a foreign folder".into());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Errors of pipe and consume
+
+#[test]
+fn pipe_refuses_a_missing_or_foreign_state_folder() -> TestResult {
+    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    let dir = tempfile::tempdir()?;
+    let typo = dir.path().join("no-such-parent/state");
+    let out = run_bounded(&mut pipe(&broker, "g", &typo, &[]), RUN_LIMIT)?;
+    expect_contains(&one_error_line(&out, 1)?, "parent folder")?;
+
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir(&foreign)?;
+    std::fs::write(foreign.join("data.csv"), "1,2,3")?;
+    let out = run_bounded(&mut pipe(&broker, "g", &foreign, &[]), RUN_LIMIT)?;
+    expect_contains(
+        &one_error_line(&out, 1)?,
+        "is not a replayguard state folder",
+    )?;
+    let out = run_bounded(
+        &mut consume(&broker, "in", &foreign, &["--stop-at-end"]),
+        RUN_LIMIT,
+    )?;
+    expect_contains(
+        &one_error_line(&out, 1)?,
+        "is not a replayguard state folder",
+    )?;
+    if snapshot(&foreign)?.len() != 1 || typo.exists() {
+        return Err("a refused state folder was written to".into());
+    }
+    Ok(())
+}
+
+#[test]
+fn pipe_and_consume_refuse_an_unknown_topic() -> TestResult {
+    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    let dir = tempfile::tempdir()?;
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", broker.bootstrap(), "--group", "g"])
+        .args(["--input", "in", "--output", "missing-out", "--state"])
+        .arg(dir.path().join("a"));
+    let line = one_error_line(&run_bounded(&mut c, RUN_LIMIT)?, 1)?;
+    expect_contains(&line, "topic \"missing-out\" does not exist")?;
+    let out = run_bounded(
+        &mut consume(&broker, "missing-in", &dir.path().join("b"), &[]),
+        RUN_LIMIT,
+    )?;
+    expect_contains(
+        &one_error_line(&out, 1)?,
+        "topic \"missing-in\" does not exist",
+    )
+}
+
+#[test]
+fn an_unreachable_broker_fails_within_bounded_time() -> TestResult {
+    // A port nobody listens on.
+    let port = free_port()?;
+    let brokers = format!("127.0.0.1:{port}");
+    let dir = tempfile::tempdir()?;
+    let started = Instant::now();
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", &brokers, "--group", "g"])
+        .args(["--input", "in", "--output", "out", "--state"])
+        .arg(dir.path().join("a"));
+    // Default: 10 probes of about 3.5 s.
+    let out = run_bounded(&mut c, Duration::from_secs(60))?;
+    let line = one_error_line(&out, 1)?;
+    expect_contains(&line, &format!("no broker reachable at {brokers}"))?;
+    expect_contains(&line, "check --brokers")?;
+    let default_took = started.elapsed();
+
+    let started = Instant::now();
+    let mut c = replayguard();
+    c.arg("consume")
+        .args(["--brokers", &brokers, "--group", "g", "--topic", "t"])
+        .args(["--connect-attempts", "2", "--state"])
+        .arg(dir.path().join("b"));
+    let out = run_bounded(&mut c, Duration::from_secs(30))?;
+    let line = one_error_line(&out, 1)?;
+    expect_contains(&line, "after 2 attempts")?;
+    if started.elapsed() > Duration::from_secs(15) || default_took > Duration::from_secs(50) {
+        return Err(format!(
+            "gave up too slowly: {default_took:?} by default, {:?} with 2 attempts",
+            started.elapsed()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+#[test]
+fn pipe_refuses_idempotence_off_before_touching_anything() -> TestResult {
+    let port = free_port()?;
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", &format!("127.0.0.1:{port}"), "--group", "g"])
+        .args(["--input", "in", "--output", "out", "--state"])
+        .arg(&state)
+        .args(["-X", "enable.idempotence=false"]);
+    let out = run_bounded(&mut c, Duration::from_secs(10))?;
+    let line = one_error_line(&out, 2)?;
+    expect_contains(&line, "enable.idempotence=false is refused")?;
+    if state.exists() {
+        return Err("the state folder was created for a refused configuration".into());
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_arguments_are_usage_errors() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let state = state.to_str().ok_or("temp path is not UTF-8")?;
+    let base = [
+        "pipe",
+        "--brokers",
+        "127.0.0.1:1",
+        "--group",
+        "g",
+        "--input",
+        "in",
+        "--output",
+        "out",
+        "--state",
+        state,
+    ];
+    for (extra, flag) in [
+        (
+            &["--checkpoint-interval", "soon"][..],
+            "--checkpoint-interval",
+        ),
+        (&["--retention-time", "3 fortnights"], "--retention-time"),
+        (&["--identity", "colour"], "--identity"),
+        (&["--identity", "header:"], "--identity"),
+        (&["--mode", "exactly-twice"], "--mode"),
+        (&["-X", "linger.ms"], "-X"),
+        (&["--retention-epochs=-1"], "--retention-epochs"),
+    ] {
+        let out = run_bounded(
+            replayguard().args(base).args(extra),
+            Duration::from_secs(10),
+        )?;
+        usage_error(&out, flag).map_err(|e| format!("{extra:?}: {e}"))?;
+    }
+    // Refused by librdkafka or the library, before anything is touched.
+    for (extra, says) in [
+        (&["-X", "no.such.property=1"][..], "no.such.property"),
+        (&["--checkpoint-interval", "2h"], "checkpoint interval"),
+    ] {
+        let out = run_bounded(
+            replayguard().args(base).args(extra),
+            Duration::from_secs(10),
+        )?;
+        expect_contains(&one_error_line(&out, 2)?, says)?;
+    }
+    let out = run_bounded(
+        replayguard().args([
+            "consume",
+            "--brokers",
+            "127.0.0.1:1",
+            "--group",
+            "g",
+            "--topic",
+            "t",
+            "--state",
+            state,
+            "--format",
+            "%z",
+        ]),
+        Duration::from_secs(10),
+    )?;
+    usage_error(&out, "--format")?;
+    if Path::new(state).exists() {
+        return Err("a usage error created the state folder".into());
+    }
+    Ok(())
+}
+
+#[test]
+fn every_subcommand_explains_itself_with_an_example() -> TestResult {
+    for sub in ["pipe", "consume", "inspect"] {
+        let out = run_bounded(replayguard().args([sub, "--help"]), Duration::from_secs(10))?;
+        success(&out, &format!("{sub} --help"))?;
+        let help = text(&out.stdout);
+        expect_contains(&help, "Example:")?;
+        expect_contains(&help, &format!("replayguard {sub} --"))?;
+    }
+    Ok(())
+}
