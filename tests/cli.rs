@@ -284,6 +284,33 @@ fn pipe_killed_with_sigkill_and_restarted_writes_each_value_once() -> TestResult
 }
 
 #[test]
+fn pipe_baseline_modes_copy_each_record_once_without_crashes() -> TestResult {
+    let broker = MockBroker::start(&[("in", 2), ("alo", 2), ("tx", 2)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=100)?;
+    for (mode, output) in [("at-least-once", "alo"), ("transactional", "tx")] {
+        let state = tempfile::tempdir()?;
+        let mut c = replayguard();
+        c.arg("pipe")
+            .args(["--brokers", broker.bootstrap(), "--group", mode])
+            .args(["--input", "in", "--output", output, "--mode", mode])
+            .arg("--state")
+            .arg(state.path())
+            .args(["-X", "session.timeout.ms=6000", "--stop-at-end"]);
+        success(&run_bounded(&mut c, RUN_LIMIT)?, mode)?;
+        let copied = support::read_topic_with(
+            broker.bootstrap(),
+            output,
+            &support::ReadOptions {
+                read_committed: true,
+                ..support::ReadOptions::default()
+            },
+        )?;
+        check_each_once(&integers(&copied)?, 1..=100).map_err(|e| format!("{mode}: {e}"))?;
+    }
+    Ok(())
+}
+
+#[test]
 fn sigterm_takes_a_final_checkpoint_and_exits_zero() -> TestResult {
     let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
     produce_integers(broker.bootstrap(), "in", 1..=100)?;
@@ -355,14 +382,48 @@ fn a_second_instance_on_the_same_state_folder_is_refused() -> TestResult {
         let line = one_error_line(&viewed, 1)?;
         expect_contains(&line, "in use")
     })();
-    send_signal(first.id(), "TERM")?;
+    // SIGINT (Ctrl-C) stops it like SIGTERM.
+    send_signal(first.id(), "INT")?;
     let status = wait_bounded(&mut first, Duration::from_secs(30));
     if status.is_err() {
         let _ = first.kill();
     }
     result?;
     if !status?.success() {
-        return Err("the first instance did not exit 0 on SIGTERM".into());
+        return Err("the first instance did not exit 0 on SIGINT".into());
+    }
+    Ok(())
+}
+
+#[test]
+fn progress_line_shows_on_a_terminal() -> TestResult {
+    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=20)?;
+    let state = tempfile::tempdir()?;
+    let state = state.path().to_str().ok_or("temp path is not UTF-8")?;
+    // script(1) from util-linux gives the command a terminal.
+    let line = format!(
+        "'{}' pipe --brokers {} --group tty --input in --output out --state '{state}' \
+         -X session.timeout.ms=6000 --stop-at-end",
+        env!("CARGO_BIN_EXE_replayguard"),
+        broker.bootstrap()
+    );
+    let out = run_bounded(
+        Command::new("script")
+            .args(["-q", "-e", "-c", &line, "/dev/null"])
+            .env_remove("RUST_LOG"),
+        RUN_LIMIT,
+    )
+    .map_err(|e| format!("script(1) from util-linux is needed for this test: {e}"))?;
+    success(&out, "pipe on a terminal")?;
+    let screen = text(&out.stdout);
+    // The last summary, after the final checkpoint.
+    let last = screen
+        .rsplit('\r')
+        .find(|l| l.contains("duplicates dropped"))
+        .unwrap_or_default();
+    if !last.contains("in 20  out 20  duplicates dropped 0") {
+        return Err(format!("no progress summary on the terminal: {screen:?}").into());
     }
     Ok(())
 }
