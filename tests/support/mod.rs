@@ -198,6 +198,31 @@ pub fn wait_bounded(child: &mut Child, limit: Duration) -> TestResult<ExitStatus
     }
 }
 
+/// Drops `value` on another thread and waits at most `limit` for it.
+///
+/// A librdkafka consumer's drop closes it (leaves its group), and that has
+/// been seen to block for minutes; this bounds the wait. On time-out the
+/// thread is left behind and an error returned.
+///
+/// # Errors
+/// When the drop takes longer than `limit`.
+pub fn drop_bounded<T: Send + 'static>(value: T, what: &str, limit: Duration) -> TestResult {
+    let (tx, rx) = mpsc::channel();
+    let started = Instant::now();
+    thread::spawn(move || {
+        drop(value);
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(()) => Ok(()),
+        Err(_) => Err(format!(
+            "dropping {what} did not finish in {limit:?} (started {:?} ago)",
+            started.elapsed()
+        )
+        .into()),
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Mock broker
 
