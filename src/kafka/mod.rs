@@ -14,8 +14,13 @@
 //!   manifest is the truth, and group offsets are committed (advisorily) at
 //!   each checkpoint.
 //! - `group.instance.id`, when not set, is derived from the state folder
-//!   (static membership), so that a restart after `kill -9` gets its
-//!   partitions back at once instead of waiting out the session timeout.
+//!   (static membership), so that on a broker that implements it a restart
+//!   after `kill -9` gets its partitions back at once instead of waiting out
+//!   the session timeout. librdkafka's mock cluster does not (it matches
+//!   members by member id only), so there the restart waits for the session
+//!   timeout; hence also:
+//! - `session.timeout.ms=6000` when not set (the usual broker minimum),
+//!   which bounds that wait.
 //! - `partition.assignment.strategy=cooperative-sticky` when not set, so that
 //!   the revoke callback can commit synchronously.
 //! - The pipeline's producer gets `enable.idempotence=true` and `acks=all`; a

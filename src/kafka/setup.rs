@@ -61,7 +61,7 @@ pub(crate) fn guarded_consumer_config(user: &ClientConfig, instance: &str) -> Re
         cfg.set("partition.assignment.strategy", "cooperative-sticky");
     }
     if cfg.get("session.timeout.ms").is_none() {
-        cfg.set("session.timeout.ms", "10000");
+        cfg.set("session.timeout.ms", "6000");
     }
     if cfg.get("auto.offset.reset").is_none() {
         cfg.set("auto.offset.reset", "earliest");
