@@ -49,6 +49,37 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A guarded pipeline copying a topic (the README's example; it needs a
+//! broker, so it is compiled here but not run). Run it again after a crash
+//! with the same state folder and nothing is written twice:
+//!
+//! ```no_run
+//! use std::convert::Infallible;
+//! use std::time::Duration;
+//!
+//! use rdkafka::ClientConfig;
+//! use replayguard::kafka::{GuardedPipeline, OutputRecord};
+//!
+//! async fn copy_orders() -> replayguard::Result<()> {
+//!     let mut config = ClientConfig::new();
+//!     config
+//!         .set("bootstrap.servers", "127.0.0.1:9092")
+//!         .set("group.id", "order-copier");
+//!     // This instance's own folder, kept across restarts.
+//!     let mut pipeline = GuardedPipeline::builder(config, "/var/lib/order-copier")
+//!         .input("orders")
+//!         .output("orders-copy")
+//!         .checkpoint_interval(Duration::from_secs(1))
+//!         .build()?;
+//!     // Any async function from an input record to its output records.
+//!     pipeline
+//!         .run(|m| async move { Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)]) })
+//!         .await?;
+//!     Ok(())
+//! }
+//! # let _ = copy_orders;
+//! ```
+//!
 //! ## Layout
 //!
 //! - [`fingerprint`]: identity extraction and hashing.
