@@ -477,7 +477,7 @@ impl Guard {
     /// [`Error::Poisoned`], or a store error (which poisons the guard).
     pub fn flush(&mut self) -> Result<()> {
         self.ready()?;
-        let r = self.write_pending(None);
+        let r = self.write_pending(None, &[]);
         self.poison_on(r)
     }
 
@@ -491,12 +491,26 @@ impl Guard {
         r
     }
 
-    fn write_pending(&mut self, manifest: Option<&Manifest>) -> Result<()> {
+    /// Writes every pending chunk of the open epoch, and with a manifest the
+    /// `carried` chunks as the first chunks of the next epoch, in one batch.
+    fn write_pending(
+        &mut self,
+        manifest: Option<&Manifest>,
+        carried: &[(u32, Chunk)],
+    ) -> Result<()> {
         if self.pending_total == 0 && manifest.is_none() {
             return Ok(());
         }
         let epoch = self.epoch;
-        let mut writes = Vec::new();
+        let mut writes: Vec<ChunkWrite<'_>> = carried
+            .iter()
+            .map(|(lane, chunk)| ChunkWrite {
+                epoch: epoch + 1,
+                lane: *lane,
+                seq: 0,
+                chunk,
+            })
+            .collect();
         let mut new_lanes = Vec::new();
         for (id, l) in self.lanes.iter().enumerate() {
             // Every lane not yet in the lane table goes in with any write, so
@@ -516,7 +530,11 @@ impl Guard {
         }
         self.store
             .write(&writes, &new_lanes, manifest, self.cfg.durability)?;
-        let written: Vec<u32> = writes.iter().map(|w| w.lane).collect();
+        let written: Vec<u32> = writes
+            .iter()
+            .filter(|w| w.epoch == epoch)
+            .map(|w| w.lane)
+            .collect();
         let named: Vec<u32> = new_lanes.iter().map(|(id, _)| *id).collect();
         for id in named {
             self.lanes[id as usize].persisted = true;
@@ -538,6 +556,11 @@ impl Guard {
     /// `positions` gives the next offset of lanes whose position moved
     /// (others keep theirs); `sink` is stored as is (for example output end
     /// offsets).
+    ///
+    /// Offsets at or past a lane's new position that only a dropped epoch
+    /// holds (a checkpoint taken while replaying records handled before a
+    /// restart) move into the new epoch, so a restart from that position
+    /// still finds them.
     ///
     /// # Errors
     ///
@@ -573,6 +596,7 @@ impl Guard {
             .collect();
         epochs.retain(|e| e.epoch >= keep_from);
         let mut moved: HashMap<u32, u64> = positions.iter().map(|(l, p)| (l.0, *p)).collect();
+        let carried = self.carried_offsets(&moved, keep_from);
         let manifest = Manifest {
             format: FORMAT_VERSION,
             epoch: next,
@@ -592,7 +616,7 @@ impl Guard {
             epochs: epochs.clone(),
             checkpointed_at_ms: now,
         };
-        let r = self.write_pending(Some(&manifest));
+        let r = self.write_pending(Some(&manifest), &carried);
         self.poison_on(r)?;
         // The manifest is durable: from here on, state follows it.
         for (lane, p) in positions {
@@ -605,6 +629,11 @@ impl Guard {
             l.next_seq = 0;
             l.index.drop_before(keep_from);
             l.index.seal_before(next);
+        }
+        for (id, chunk) in &carried {
+            let l = &mut self.lanes[*id as usize];
+            l.index.epoch_mut(next).merge_offsets(&chunk.offsets);
+            l.next_seq = 1;
         }
         if !dropped.is_empty() {
             let r = self.store.drop_epochs_before(keep_from);
@@ -627,6 +656,44 @@ impl Guard {
             dropped_epochs: dropped,
             duration,
         })
+    }
+
+    /// Per lane, the offsets at or past its position (after this checkpoint)
+    /// held by the epochs about to be dropped.
+    ///
+    /// They exist when a checkpoint lands while a restarted consumer is
+    /// still replaying records it handled before the restart: those were
+    /// handled in an older epoch, yet a restart from the new position would
+    /// replay them again. Dropping them with their epoch would let them
+    /// through as fresh, so their positions move into the next epoch, in
+    /// the checkpoint's batch. Content fingerprints stay with their epoch:
+    /// a replay repeats the position.
+    fn carried_offsets(&self, moved: &HashMap<u32, u64>, keep_from: u64) -> Vec<(u32, Chunk)> {
+        let mut carried = Vec::new();
+        for (id, l) in self.lanes.iter().enumerate() {
+            let Some(p) = moved.get(&(id as u32)).copied().or(l.position) else {
+                continue;
+            };
+            let mut offsets = RoaringTreemap::new();
+            for (_, idx) in l.index.epochs().take_while(|(e, _)| *e < keep_from) {
+                let set = idx.offset_set();
+                if set.max().is_some_and(|m| m >= p) {
+                    let mut tail = set.clone();
+                    tail.remove_range(..p);
+                    offsets |= tail;
+                }
+            }
+            if !offsets.is_empty() {
+                carried.push((
+                    id as u32,
+                    Chunk {
+                        offsets,
+                        ..Chunk::default()
+                    },
+                ));
+            }
+        }
+        carried
     }
 
     /// The oldest epoch kept after opening `open` at `now`.
