@@ -183,9 +183,9 @@ async fn run() -> Result {
     let missing = (1..=integers).filter(|v| !copies.contains_key(v)).count();
 
     println!(
-        "{integers} integers written to {INPUT:?} over {PARTITIONS} partitions, one every {} ms; two\n\
-         guarded pipelines in one group copy them to {OUTPUT:?}. B joined at {:.1} s; A was\n\
-         killed at {:.1} s, between two checkpoints.\n",
+        "{integers} integers written to {INPUT:?} over {PARTITIONS} partitions, one every {} ms;\n\
+         two guarded pipelines in one group copy them to {OUTPUT:?}.\n\
+         B joined at {:.1} s; A was killed at {:.1} s, between two checkpoints.\n",
         PERIOD.as_millis(),
         b_joined.as_secs_f64(),
         a_killed.duration_since(t0).as_secs_f64()
