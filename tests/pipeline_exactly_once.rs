@@ -10,6 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures::FutureExt;
+
 use inproc::{Broker, TestResult, dups_and_missing};
 use replayguard::kafka::{GuardedPipeline, Mode, OutputRecord};
 
@@ -131,5 +133,49 @@ async fn transactional_baseline_copies_each_input_once() -> TestResult {
     let dir = tempfile::tempdir()?;
     run_once(&broker, dir.path(), Mode::Transactional, false, None).await?;
     assert_eq!(broker.values("out", 1)?, (1..=500).collect::<Vec<_>>());
+    Ok(())
+}
+
+/// A crash before the first checkpoint leaves no position at all; the
+/// restart reads the output back, and a checkpoint taken before the replay
+/// reaches those inputs must keep them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identities_read_back_survive_checkpoints_before_any_position() -> TestResult {
+    let broker = Broker::start(&[("in", 1), ("out", 1)])?;
+    broker
+        .produce("in", &(1..=200).collect::<Vec<_>>(), 1)
+        .await?;
+    let dir = tempfile::tempdir()?;
+    let copy = |m: rdkafka::message::OwnedMessage| async move {
+        Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)])
+    };
+    let mut first = GuardedPipeline::builder(broker.consumer_config("copy"), dir.path())
+        .input("in")
+        .output("out")
+        .checkpoint_interval(Duration::from_secs(3600))
+        .build()?;
+    let all_out = async {
+        while broker.read_all("out", 1).map(|v| v.len()).unwrap_or(0) < 200 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::select! {
+        r = first.run(copy) => { r?; }
+        () = tokio::time::timeout(Duration::from_secs(60), all_out).map(|_| ()) => {}
+    }
+    first.abort();
+    let mut second = GuardedPipeline::builder(broker.consumer_config("copy"), dir.path())
+        .input("in")
+        .output("out")
+        .checkpoint_interval(Duration::from_millis(10))
+        .stop_at_end(true)
+        .build()?;
+    let stats = second.run(copy).await?;
+    tokio::task::spawn_blocking(move || drop(second)).await?;
+    assert_eq!(broker.values("out", 1)?, (1..=200).collect::<Vec<_>>());
+    assert_eq!(
+        stats.duplicates, 200,
+        "every replayed input is filtered: {stats:?}"
+    );
     Ok(())
 }

@@ -671,9 +671,9 @@ impl Guard {
     fn carried_offsets(&self, moved: &HashMap<u32, u64>, keep_from: u64) -> Vec<(u32, Chunk)> {
         let mut carried = Vec::new();
         for (id, l) in self.lanes.iter().enumerate() {
-            let Some(p) = moved.get(&(id as u32)).copied().or(l.position) else {
-                continue;
-            };
+            // A lane with no position yet replays from its start: every
+            // offset it holds is still ahead of it.
+            let p = moved.get(&(id as u32)).copied().or(l.position).unwrap_or(0);
             let mut offsets = RoaringTreemap::new();
             for (_, idx) in l.index.epochs().take_while(|(e, _)| *e < keep_from) {
                 let set = idx.offset_set();

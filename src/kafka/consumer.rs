@@ -151,6 +151,7 @@ impl GuardedConsumerBuilder {
                 failure: None,
                 counters: Default::default(),
                 aborted: false,
+                partial: HashMap::new(),
             })),
             producer: None,
             reconciler: None,

@@ -75,6 +75,10 @@ pub(crate) struct Shared {
     pub counters: Counters,
     /// Set by `abort`: callbacks then do nothing, as in a dead process.
     pub aborted: bool,
+    /// Inputs of which reconciliation found some outputs but not all:
+    /// (topic, partition, offset) to the indices already written. Their
+    /// replay writes only the missing ones.
+    pub partial: HashMap<(String, i32, i64), std::collections::BTreeSet<u32>>,
 }
 
 impl Shared {

@@ -10,6 +10,21 @@ pub const FINGERPRINT_HEADER: &str = "replayguard-fp";
 /// (i64 BE), then the topic name in UTF-8.
 pub const SOURCE_HEADER: &str = "replayguard-src";
 
+/// Header on the outputs of an input that has more than one: the output's
+/// index and the input's output count (u32 BE each). Absent means "the only
+/// output". Reconciliation counts an input as handled only when all of its
+/// outputs are found.
+pub const PART_HEADER: &str = "replayguard-part";
+
+/// Encodes a [`PART_HEADER`] value.
+#[must_use]
+pub(crate) fn encode_part(index: u32, count: u32) -> [u8; 8] {
+    let mut v = [0u8; 8];
+    v[..4].copy_from_slice(&index.to_be_bytes());
+    v[4..].copy_from_slice(&count.to_be_bytes());
+    v
+}
+
 /// Where an output record came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SourcePosition {
@@ -47,20 +62,42 @@ impl SourcePosition {
 }
 
 /// Reads both guard headers from a record's headers.
+/// What an output record says of its input.
+pub(crate) struct GuardHeaders {
+    pub src: SourcePosition,
+    pub fp: Option<Fingerprint>,
+    /// (index, count) of this output among its input's outputs.
+    pub part: (u32, u32),
+}
+
 pub(crate) fn read_guard_headers(
     headers: Option<&impl rdkafka::message::Headers>,
-) -> Option<(SourcePosition, Option<Fingerprint>)> {
+) -> Option<GuardHeaders> {
     let headers = headers?;
     let mut src = None;
     let mut fp = None;
+    let mut part = (0, 1);
     for h in headers.iter() {
         match h.key {
             SOURCE_HEADER => src = h.value.and_then(SourcePosition::decode),
             FINGERPRINT_HEADER => fp = h.value.and_then(Fingerprint::from_bytes),
+            PART_HEADER => {
+                if let Some(v) = h.value.filter(|v| v.len() == 8) {
+                    let i = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
+                    let n = u32::from_be_bytes([v[4], v[5], v[6], v[7]]);
+                    if i < n {
+                        part = (i, n);
+                    }
+                }
+            }
             _ => {}
         }
     }
-    Some((src?, fp))
+    Some(GuardHeaders {
+        src: src?,
+        fp,
+        part,
+    })
 }
 
 #[cfg(test)]

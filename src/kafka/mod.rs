@@ -35,7 +35,7 @@ mod setup;
 
 pub use consumer::{GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
 pub use context::GuardContext;
-pub use headers::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
+pub use headers::{FINGERPRINT_HEADER, PART_HEADER, SOURCE_HEADER, SourcePosition};
 pub use pipeline::{
     GuardedPipeline, GuardedPipelineBuilder, Mode, OutputRecord, PipelineStats, StatsHandle,
 };

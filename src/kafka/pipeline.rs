@@ -84,7 +84,14 @@ impl OutputRecord {
             .headers()
             .map(|h| {
                 h.iter()
-                    .filter(|h| h.key != FINGERPRINT_HEADER && h.key != SOURCE_HEADER)
+                    .filter(|h| {
+                        ![
+                            FINGERPRINT_HEADER,
+                            SOURCE_HEADER,
+                            super::headers::PART_HEADER,
+                        ]
+                        .contains(&h.key)
+                    })
                     .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
                     .collect()
             })
@@ -346,6 +353,7 @@ impl GuardedPipelineBuilder {
             failure: None,
             counters: Default::default(),
             aborted: false,
+            partial: HashMap::new(),
         }));
         if let Ok(mut s) = shared.lock() {
             // Sink positions carry on from the last manifest; reconciliation
@@ -615,8 +623,17 @@ impl GuardedPipeline {
         fp: Option<crate::Fingerprint>,
         outputs: Vec<OutputRecord>,
     ) -> Result<()> {
+        let count = outputs.len() as u32;
+        let mut outputs: Vec<(u32, OutputRecord)> = (0..count).zip(outputs).collect();
         {
             let mut s = self.core.lock();
+            if !s.partial.is_empty()
+                && let Some(written) = s.partial.remove(&(topic.to_owned(), partition, offset))
+            {
+                // The function must be deterministic for this to hold: the
+                // same input gives the same outputs in the same order.
+                outputs.retain(|(i, _)| !written.contains(i));
+            }
             let t = s.track(topic, partition);
             t.next = Some(offset + 1);
             t.inflight.insert(
@@ -639,8 +656,15 @@ impl GuardedPipeline {
         .encode();
         let fp_bytes = fp.map(crate::Fingerprint::to_bytes);
         let topic: Arc<str> = Arc::from(topic);
-        for out in outputs {
-            let mut headers = OwnedHeaders::new_with_capacity(out.headers.len() + 2);
+        for (index, out) in outputs {
+            let mut headers = OwnedHeaders::new_with_capacity(out.headers.len() + 3);
+            let part = super::headers::encode_part(index, count);
+            if count > 1 {
+                headers = headers.insert(Header {
+                    key: super::headers::PART_HEADER,
+                    value: Some(&part[..]),
+                });
+            }
             for (k, v) in &out.headers {
                 headers = headers.insert(Header {
                     key: k,
@@ -691,6 +715,13 @@ impl GuardedPipeline {
                         return Err(Error::Config(msg));
                     }
                 }
+            }
+            if count > 1 && super::setup::fault("mid-outputs") {
+                // As if the process died between two outputs of one input.
+                let msg =
+                    format!("injected crash between the outputs of {topic}[{partition}]@{offset}");
+                self.core.lock().fail(msg.clone());
+                return Err(Error::Config(msg));
             }
         }
         Ok(())

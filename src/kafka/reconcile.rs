@@ -6,7 +6,7 @@
 //! last known sink position to its high watermark and records those inputs
 //! as handled.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
@@ -15,9 +15,17 @@ use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 use super::context::{Core, SinkPositions};
-use super::headers::read_guard_headers;
+use super::headers::{SourcePosition, read_guard_headers};
 use super::setup::kafka;
 use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+
+/// An input by (topic, partition, offset).
+type InputKey = (String, i32, i64);
+
+/// Of an input with several outputs: its output count, the indices found,
+/// and its fingerprint.
+type PartsSeen = (u32, BTreeSet<u32>, Option<Fingerprint>);
 
 pub(crate) struct Reconciler {
     reader: BaseConsumer,
@@ -105,6 +113,7 @@ impl Reconciler {
             .assign(&tpl)
             .map_err(kafka("assigning output partitions for reconciliation"))?;
         let mut found = 0u64;
+        let mut parts: HashMap<InputKey, PartsSeen> = HashMap::new();
         let mut last_progress = Instant::now();
         while !targets.is_empty() {
             let Some(r) = self.reader.poll(Duration::from_millis(200)) else {
@@ -119,12 +128,15 @@ impl Reconciler {
             };
             let m = r.map_err(kafka("reading the output for reconciliation"))?;
             last_progress = Instant::now();
-            if let Some((src, fp)) = read_guard_headers(m.headers()) {
-                let mut s = core.lock();
-                if let Some(lane) = s.lane(&src.topic, src.partition)
-                    && let Some(g) = s.guard.as_mut()
-                    && g.record(lane, Some(src.offset as u64), fp)?.is_fresh()
-                {
+            if let Some(h) = read_guard_headers(m.headers()) {
+                if h.part.1 > 1 {
+                    // Decided once every output partition is read.
+                    let key = (h.src.topic.clone(), h.src.partition, h.src.offset);
+                    let e = parts
+                        .entry(key)
+                        .or_insert_with(|| (h.part.1, BTreeSet::new(), h.fp));
+                    e.1.insert(h.part.0);
+                } else if record(core, &h.src, h.fp)? {
                     found += 1;
                 }
             }
@@ -138,6 +150,26 @@ impl Reconciler {
         self.reader
             .unassign()
             .map_err(kafka("releasing the reconciliation reader"))?;
+        for ((topic, partition, offset), (count, seen, fp)) in parts {
+            if seen.len() as u32 >= count {
+                let src = SourcePosition {
+                    topic,
+                    partition,
+                    offset,
+                };
+                if record(core, &src, fp)? {
+                    found += 1;
+                }
+            } else {
+                tracing::warn!(
+                    input = %format!("{topic}[{partition}]@{offset}"),
+                    written = seen.len(),
+                    count,
+                    "an input's outputs were cut short by a crash; its replay writes only the missing ones"
+                );
+                core.lock().partial.insert((topic, partition, offset), seen);
+            }
+        }
         tracing::info!(
             topic = %self.topic,
             identities = found,
@@ -146,5 +178,17 @@ impl Reconciler {
         );
         metrics::counter!("replayguard_reconciled_identities_total").increment(found);
         Ok(found)
+    }
+}
+
+/// Records an input found in the output as handled; true when it was new.
+fn record(core: &Core, src: &SourcePosition, fp: Option<Fingerprint>) -> Result<bool> {
+    let mut s = core.lock();
+    let Some(lane) = s.lane(&src.topic, src.partition) else {
+        return Ok(false);
+    };
+    match s.guard.as_mut() {
+        Some(g) => Ok(g.record(lane, Some(src.offset as u64), fp)?.is_fresh()),
+        None => Ok(false),
     }
 }
