@@ -1011,6 +1011,7 @@ pub fn read_topic_with(
     };
     let stdout = run_kafka_read(&mut command, options.timeout)?;
     let mut records = Vec::new();
+    let mut seen = BTreeSet::new();
     for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
         let json: JsonRecord = serde_json::from_str(line).map_err(|e| {
             format!("kafka_read.py printed a line that is not a record ({e}): {line}")
@@ -1018,6 +1019,14 @@ pub fn read_topic_with(
         let mut headers = Vec::with_capacity(json.headers.len());
         for h in json.headers {
             headers.push((h.key, bytes_of(h.value, h.value_b64)?));
+        }
+        // A reader that printed one position twice would fake duplicates.
+        if !seen.insert((json.partition, json.offset)) {
+            return Err(format!(
+                "kafka_read.py printed partition {} offset {} twice",
+                json.partition, json.offset
+            )
+            .into());
         }
         records.push(Record {
             partition: json.partition,
