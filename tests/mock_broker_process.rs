@@ -167,3 +167,15 @@ fn broker_exits_cleanly_when_its_parent_closes_stdin() -> TestResult {
     assert!(status.success(), "clean exit on stdin EOF: {status}");
     Ok(())
 }
+
+#[test]
+fn reader_refuses_an_unknown_topic() -> TestResult {
+    let broker = MockBroker::start(&[("known", 1)])?;
+    let read = read_topic(broker.bootstrap(), "never-created", PyClient::Confluent);
+    let message = read.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        message.contains("never-created"),
+        "the reader must fail naming the topic, not read nothing: {message:?}"
+    );
+    Ok(())
+}

@@ -204,3 +204,22 @@ fn clean_restart_keeps_the_data() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn readers_refuse_an_unknown_topic() -> TestResult {
+    let broker = TansuBroker::start(&[("known", 1)])?;
+    for client in PyClient::BOTH {
+        let options = ReadOptions {
+            client,
+            timeout: Duration::from_secs(10),
+            ..ReadOptions::default()
+        };
+        let read = read_topic_with(&broker.bootstrap(), "never-created", &options);
+        let message = read.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            message.contains("never-created"),
+            "{client:?} must fail naming the topic, not read nothing: {message:?}"
+        );
+    }
+    Ok(())
+}
