@@ -268,17 +268,37 @@ impl Guard {
         let oldest = guard.epochs.first().map_or(epoch, |e| e.epoch);
         let path = guard.store.path().to_owned();
         let lanes = &mut guard.lanes;
+        // Chunks come in key order, so all of an (epoch, lane) arrive
+        // together: their hashes are gathered and the table built once.
+        let mut gathered: Option<(u64, u32, Vec<u128>)> = None;
+        let build = |lanes: &mut Vec<Lane>, (e, lane, hashes): (u64, u32, Vec<u128>)| {
+            if let Some(l) = lanes.get_mut(lane as usize) {
+                l.index.epoch_mut(e).load_hashes(hashes, e < epoch);
+            }
+        };
         guard.store.load_chunks(oldest, |e, lane, chunk| {
             let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
                 path: path.clone(),
                 what: format!("a chunk names lane {lane}, which is not in the lane table"),
             })?;
             let idx = l.index.epoch_mut(e);
-            idx.extend_hashes(chunk.hashes.into_iter());
             idx.merge_offsets(&chunk.offsets);
             idx.merge_ids(&chunk.ids);
+            match &mut gathered {
+                Some((ge, gl, hashes)) if (*ge, *gl) == (e, lane) => {
+                    hashes.extend_from_slice(&chunk.hashes);
+                }
+                _ => {
+                    if let Some(done) = gathered.replace((e, lane, chunk.hashes)) {
+                        build(lanes, done);
+                    }
+                }
+            }
             Ok(())
         })?;
+        if let Some(done) = gathered.take() {
+            build(&mut guard.lanes, done);
+        }
         // New chunks in the open epoch must not overwrite old ones.
         guard.resume_sequences()?;
         for l in &mut guard.lanes {
