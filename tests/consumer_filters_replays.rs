@@ -142,3 +142,19 @@ async fn custom_identity_filters_by_business_id() -> TestResult {
     inproc::drop_off_runtime(c);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_of_an_unacked_record_is_not_delivered_alongside_it() -> TestResult {
+    let broker = Broker::start(&[("events", 1)])?;
+    broker.produce("events", &[7, 7, 8], 1).await?;
+    let dir = tempfile::tempdir()?;
+    let c = consumer(&broker, dir.path(), 0)?;
+    let first = c.recv().await?.ok_or("expected 7")?;
+    // 7 is not acked yet; its resend must not come out next.
+    let second = c.recv().await?.ok_or("expected 8")?;
+    assert_eq!((value(&first)?, value(&second)?), (7, 8));
+    c.ack_many(&[first, second])?;
+    assert!(c.recv().await?.is_none());
+    inproc::drop_off_runtime(c);
+    Ok(())
+}

@@ -179,3 +179,30 @@ async fn identities_read_back_survive_checkpoints_before_any_position() -> TestR
     );
     Ok(())
 }
+
+/// Upstream duplicates right behind their first copy usually arrive while
+/// that copy's output is still in flight; they are filtered all the same.
+/// (A retention of many epochs keeps a checkpoint between two copies from
+/// letting the second through, which the default retention would.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adjacent_upstream_duplicates_are_filtered_while_in_flight() -> TestResult {
+    let broker = Broker::start(&[("in", 1), ("out", 1)])?;
+    broker
+        .produce("in", &[1, 2, 2, 3, 3, 3, 4, 2, 5], 1)
+        .await?;
+    let dir = tempfile::tempdir()?;
+    let mut p = GuardedPipeline::builder(broker.consumer_config("copy"), dir.path())
+        .input("in")
+        .output("out")
+        .retention_epochs(1000)
+        .checkpoint_interval(Duration::from_millis(150))
+        .stop_at_end(true)
+        .build()?;
+    let stats = p
+        .run(|m| async move { Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)]) })
+        .await?;
+    tokio::task::spawn_blocking(move || drop(p)).await?;
+    assert_eq!(broker.values("out", 1)?, vec![1, 2, 3, 4, 5]);
+    assert_eq!(stats.duplicates, 4);
+    Ok(())
+}

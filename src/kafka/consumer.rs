@@ -12,8 +12,8 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Message, OwnedMessage};
 
-use super::context::{Core, GuardContext, Pending, Shared};
-use super::pipeline::{Mode, PipelineStats, reason_label};
+use super::context::{Core, GuardContext, Shared};
+use super::pipeline::{Mode, PipelineStats};
 use super::setup::{self, kafka};
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, Identity};
@@ -254,26 +254,10 @@ impl GuardedConsumer {
             let (topic, partition, offset) = (m.topic(), m.partition(), m.offset());
             let fp = super::identify(&self.identity, &m);
             let mut s = self.core.lock();
-            s.counters.records_in += 1;
-            metrics::counter!("replayguard_records_in_total").increment(1);
-            let t = s.track(topic, partition);
-            if t.next.is_some_and(|n| offset < n) {
+            if !s.admit(topic, partition, offset, fp)? {
                 continue;
             }
-            t.next = Some(offset + 1);
-            if let Some(lane) = s.lane(topic, partition)
-                && let Some(g) = s.guard.as_mut()
-                && let crate::Verdict::Duplicate { reason, .. } =
-                    g.check(lane, Some(offset as u64), fp)?
-            {
-                s.counters.duplicates += 1;
-                metrics::counter!("replayguard_duplicates_total", "reason" => reason_label(reason))
-                    .increment(1);
-                continue;
-            }
-            s.track(topic, partition)
-                .inflight
-                .insert(offset, Pending { remaining: 1, fp });
+            s.begin(topic, partition, offset, fp, 1);
             drop(s);
             return Ok(Some(GuardedRecord {
                 message: m.detach(),

@@ -37,6 +37,9 @@ pub(crate) struct Track {
     /// Dispatched but not yet handled (outputs not acked, or not acked by
     /// the application).
     pub inflight: BTreeMap<i64, Pending>,
+    /// The content identities of `inflight`: a resend that arrives before
+    /// its first copy is handled is a duplicate too.
+    pub inflight_fps: std::collections::HashSet<Fingerprint>,
 }
 
 impl Track {
@@ -126,11 +129,72 @@ impl Shared {
         }
         let fp = p.fp;
         track.inflight.remove(&offset);
+        if let Some(f) = fp {
+            track.inflight_fps.remove(&f);
+        }
         let lane = track.lane;
         if let (Some(guard), Some(lane)) = (self.guard.as_mut(), lane) {
             guard.record(lane, Some(offset as u64), fp)?;
         }
         Ok(())
+    }
+
+    /// Admits a received record: `false` when it must be skipped, because
+    /// it is below the partition's next offset (already dispatched in this
+    /// session) or a duplicate of a handled or in-flight record (counted).
+    /// An admitted record's position is passed: the caller dispatches it
+    /// with [`Shared::begin`].
+    pub fn admit(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        fp: Option<Fingerprint>,
+    ) -> Result<bool> {
+        self.counters.records_in += 1;
+        metrics::counter!("replayguard_records_in_total").increment(1);
+        let lane = self.lane(topic, partition);
+        let t = self.track(topic, partition);
+        if t.next.is_some_and(|n| offset < n) {
+            return Ok(false);
+        }
+        t.next = Some(offset + 1);
+        let reason = if fp.is_some_and(|f| t.inflight_fps.contains(&f)) {
+            Some(crate::Reason::SameContent)
+        } else if let (Some(lane), Some(g)) = (lane, self.guard.as_mut()) {
+            match g.check(lane, Some(offset as u64), fp)? {
+                crate::Verdict::Fresh => None,
+                crate::Verdict::Duplicate { reason, .. } => Some(reason),
+            }
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            self.counters.duplicates += 1;
+            let label = match reason {
+                crate::Reason::SamePosition => "position",
+                crate::Reason::SameContent => "content",
+            };
+            metrics::counter!("replayguard_duplicates_total", "reason" => label).increment(1);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Marks an admitted record in flight until `remaining` completions.
+    pub fn begin(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        fp: Option<Fingerprint>,
+        remaining: u32,
+    ) {
+        let t = self.track(topic, partition);
+        t.inflight.insert(offset, Pending { remaining, fp });
+        if let Some(f) = fp {
+            t.inflight_fps.insert(f);
+        }
     }
 
     /// Every partition's committable position.

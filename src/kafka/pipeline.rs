@@ -581,25 +581,8 @@ impl GuardedPipeline {
             };
             let (topic, partition, offset) = (m.topic().to_owned(), m.partition(), m.offset());
             let fp = super::identify(&self.identity, &m);
-            {
-                let mut s = self.core.lock();
-                s.counters.records_in += 1;
-                metrics::counter!("replayguard_records_in_total").increment(1);
-                let t = s.track(&topic, partition);
-                if t.next.is_some_and(|n| offset < n) {
-                    continue;
-                }
-                if let Some(lane) = s.lane(&topic, partition)
-                    && let Some(g) = s.guard.as_mut()
-                {
-                    let verdict = g.check(lane, Some(offset as u64), fp)?;
-                    if let crate::Verdict::Duplicate { reason, .. } = verdict {
-                        s.counters.duplicates += 1;
-                        metrics::counter!("replayguard_duplicates_total", "reason" => reason_label(reason)).increment(1);
-                        s.track(&topic, partition).next = Some(offset + 1);
-                        continue;
-                    }
-                }
+            if !self.core.lock().admit(&topic, partition, offset, fp)? {
+                continue;
             }
             let input = m.detach();
             let outputs = f(input).await.map_err(|e| Error::Process {
@@ -634,15 +617,7 @@ impl GuardedPipeline {
                 // same input gives the same outputs in the same order.
                 outputs.retain(|(i, _)| !written.contains(i));
             }
-            let t = s.track(topic, partition);
-            t.next = Some(offset + 1);
-            t.inflight.insert(
-                offset,
-                super::context::Pending {
-                    remaining: outputs.len().max(1) as u32,
-                    fp,
-                },
-            );
+            s.begin(topic, partition, offset, fp, outputs.len().max(1) as u32);
             if outputs.is_empty() {
                 s.complete(topic, partition, offset)?;
                 return Ok(());
@@ -787,12 +762,5 @@ impl GuardedPipeline {
             }
         }
         Ok(true)
-    }
-}
-
-pub(crate) fn reason_label(r: crate::Reason) -> &'static str {
-    match r {
-        crate::Reason::SamePosition => "position",
-        crate::Reason::SameContent => "content",
     }
 }
