@@ -80,8 +80,8 @@ pub fn free_port() -> TestResult<u16> {
 
 /// Runs `command` to completion, killing it after `limit`.
 ///
-/// Its stdout and stderr are captured (drained on threads, so a chatty
-/// child cannot block on a full pipe).
+/// Its stdin is `/dev/null`; its stdout and stderr are captured (drained on
+/// threads, so a chatty child cannot block on a full pipe).
 ///
 /// # Errors
 /// When it cannot start, or runs past `limit` (then it is killed, and the
