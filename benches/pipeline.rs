@@ -8,9 +8,10 @@
 //! cargo bench --bench pipeline -- --quick    # smoke run, under 2 minutes
 //! ```
 //!
-//! `REPLAYGUARD_BENCH_QUICK=1` also selects the smoke run, and
+//! `REPLAYGUARD_BENCH_QUICK=1` also selects the smoke run,
 //! `REPLAYGUARD_BENCH_ONLY=throughput,latency,recovery,retention` runs only
-//! the sections named.
+//! the sections named, and `REPLAYGUARD_BENCH_REPS=N` repeats each
+//! measurement N times (default 3, quick 1).
 //!
 //! What it measures, each run repeated and reported as min/median/max:
 //!
@@ -68,8 +69,15 @@ struct Plan {
     /// Throughput: inputs copied per run.
     records: u64,
     throughput_brokers: Vec<BrokerKind>,
-    /// Latency: steady input rate, records/s.
+    /// Latency: steady input rate, records/s, and partitions. Fewer than
+    /// for throughput: the mock scans a partition's produce batches from
+    /// the oldest at every fetch, and at a steady rate every partition gets
+    /// a small batch every `linger.ms`, so the scans grow with partitions x
+    /// time. With 32 partitions its broker thread fell behind 20k/s within
+    /// 30 s here (p99 up to 1.4 s in every mode, then a full producer
+    /// queue).
     rate: u64,
+    latency_partitions: i32,
     warm_s: f64,
     /// (checkpoint interval, measured window), seconds.
     latency_runs: Vec<(f64, f64)>,
@@ -97,6 +105,7 @@ impl Plan {
                 records: 100_000,
                 throughput_brokers: vec![BrokerKind::InProcess, BrokerKind::Process],
                 rate: 20_000,
+                latency_partitions: 4,
                 warm_s: 1.0,
                 latency_runs: vec![(1.0, 3.0)],
                 recovery_sizes: vec![100_000],
@@ -115,6 +124,7 @@ impl Plan {
                 records: 1_000_000,
                 throughput_brokers: vec![BrokerKind::InProcess, BrokerKind::Process],
                 rate: 20_000,
+                latency_partitions: 4,
                 warm_s: 2.0,
                 latency_runs: vec![(1.0, 8.0), (10.0, 20.0)],
                 recovery_sizes: vec![1_000_000, 10_000_000],
@@ -331,7 +341,15 @@ fn main() -> ExitCode {
             .with_writer(std::io::stderr)
             .init();
     }
-    match run(Plan::new(quick, sections)) {
+    let mut plan = Plan::new(quick, sections);
+    if let Some(reps) = std::env::var("REPLAYGUARD_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|r| *r > 0)
+    {
+        plan.reps = reps;
+    }
+    match run(plan) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pipeline bench failed: {e}");
@@ -484,7 +502,7 @@ fn latency(rt: &tokio::runtime::Runtime, plan: &Plan, summary: &mut Summary) -> 
                     &RateSpec {
                         broker,
                         mode,
-                        partitions: plan.partitions,
+                        partitions: plan.latency_partitions,
                         interval: Duration::from_secs_f64(interval),
                         rate: plan.rate,
                         warm: Duration::from_secs_f64(plan.warm_s),
@@ -492,7 +510,7 @@ fn latency(rt: &tokio::runtime::Runtime, plan: &Plan, summary: &mut Summary) -> 
                     },
                 )?;
                 println!(
-                    "latency     interval {interval:>4} s {:<14} rep {rep}: p50 {:>8.1} ms  p99 {:>8.1} ms  max {:>8.1} ms by {} (read p50 {:.1} p99 {:.1}; {} samples, {} missing, {} duplicates; {} checkpoints of {:.1} ms)",
+                    "latency     interval {interval:>4} s {:<14} rep {rep}: p50 {:>8.1} ms  p99 {:>8.1} ms  max {:>8.1} ms by {} (read p50 {:.1} p99 {:.1}; {} samples, {} missing, {} duplicates, input queue full {}; {} checkpoints of {:.1} ms)",
                     mode_name(mode),
                     r.p50_ms,
                     r.p99_ms,
@@ -503,6 +521,7 @@ fn latency(rt: &tokio::runtime::Runtime, plan: &Plan, summary: &mut Summary) -> 
                     r.samples,
                     r.missing,
                     r.duplicates,
+                    r.input_queue_full,
                     r.checkpoints,
                     r.checkpoint_ms
                 );
@@ -710,7 +729,7 @@ fn write_outputs(plan: &Plan, summary: &Summary) -> BenchResult {
         .unwrap_or_else(|| manifest.join("target"));
     let mut dirs = vec![target.join("bench")];
     // Only a full run of every section replaces the published figures.
-    if !plan.quick && SECTIONS.iter().all(|s| plan.runs(s)) {
+    if !plan.quick && plan.reps >= 3 && SECTIONS.iter().all(|s| plan.runs(s)) {
         dirs.push(manifest.join("docs").join("bench"));
     }
     for dir in dirs {

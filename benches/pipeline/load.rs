@@ -93,6 +93,7 @@ pub struct Paced {
     stop: Arc<AtomicBool>,
     sent: Arc<AtomicU64>,
     rate: Arc<AtomicU64>,
+    full: Arc<AtomicU64>,
     thread: JoinHandle<BenchResult>,
 }
 
@@ -111,8 +112,9 @@ impl Paced {
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
         let rate = Arc::new(AtomicU64::new(rate));
-        let (stop2, sent2, rate2, topic) =
-            (stop.clone(), sent.clone(), rate.clone(), topic.to_owned());
+        let full = Arc::new(AtomicU64::new(0));
+        let (stop2, sent2, rate2, full2) = (stop.clone(), sent.clone(), rate.clone(), full.clone());
+        let topic = topic.to_owned();
         let thread = std::thread::spawn(move || -> BenchResult {
             let mut buf = [0u8; RECORD_BYTES];
             let mut seq = 0u64;
@@ -127,9 +129,26 @@ impl Paced {
                     let record: BaseRecord<'_, (), [u8]> = BaseRecord::to(&topic)
                         .payload(&buf[..])
                         .partition((seq % partitions as u64) as i32);
-                    producer
-                        .send(record)
-                        .map_err(|(e, _)| format!("producing at a steady rate: {e}"))?;
+                    let mut record = record;
+                    // A full queue means the broker fell behind: wait, and
+                    // the wait counts in the record's latency (its stamp
+                    // is older than its send).
+                    loop {
+                        match producer.send(record) {
+                            Ok(()) => break,
+                            Err((
+                                KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull),
+                                r,
+                            )) => {
+                                record = r;
+                                full2.fetch_add(1, Ordering::Relaxed);
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                            Err((e, _)) => {
+                                return Err(format!("producing at a steady rate: {e}").into());
+                            }
+                        }
+                    }
                     seq += 1;
                     credit -= 1.0;
                     sent2.store(seq, Ordering::Release);
@@ -143,6 +162,7 @@ impl Paced {
             stop,
             sent,
             rate,
+            full,
             thread,
         })
     }
@@ -157,12 +177,14 @@ impl Paced {
         self.sent.load(Ordering::Acquire)
     }
 
-    /// Stops sending and waits for the outstanding acks.
-    pub fn stop(self) -> BenchResult {
+    /// Stops sending, waits for the outstanding acks, and returns how many
+    /// times the producer's queue was full (the broker fell behind).
+    pub fn stop(self) -> BenchResult<u64> {
         self.stop.store(true, Ordering::Relaxed);
         self.thread
             .join()
-            .map_err(|_| "the paced producer panicked")?
+            .map_err(|_| "the paced producer panicked")??;
+        Ok(self.full.load(Ordering::Relaxed))
     }
 }
 

@@ -228,6 +228,9 @@ pub struct LatencyRun {
     pub missing: u64,
     /// Records the reader saw twice (should be 0: no crash here).
     pub duplicates: u64,
+    /// Times the input producer found its queue full and waited (the
+    /// broker fell behind the steady rate; should be 0).
+    pub input_queue_full: u64,
     /// Sorted latencies, for the CDF; not in the summary.
     #[serde(skip)]
     pub latency_us: Vec<u32>,
@@ -388,7 +391,7 @@ pub fn latency(rt: &Runtime, spec: &RateSpec) -> BenchResult<LatencyRun> {
     let checkpoints = watch.finish();
     drop_bounded(p, Duration::from_secs(30));
     run?;
-    stopped?;
+    let input_queue_full = stopped?;
     let (lo, hi) = window?;
     let seen = reader.finish(lo, hi)?;
     drop(broker);
@@ -429,6 +432,7 @@ pub fn latency(rt: &Runtime, spec: &RateSpec) -> BenchResult<LatencyRun> {
             .unwrap_or(f64::NAN),
         missing: seen.missing + unresolved,
         duplicates: seen.duplicates,
+        input_queue_full,
         latency_us,
     })
 }
