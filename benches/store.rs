@@ -55,13 +55,14 @@ fn record_path(c: &mut Criterion) {
             let mut spent = Duration::ZERO;
             for _ in 0..iters {
                 if next + PER_ITER > pool.len() as u64 {
-                    // A checkpoint empties the epoch (retention 0); untimed.
-                    g.checkpoint(&[(lane, next)], Vec::new())
+                    // A checkpoint past every offset empties the epoch
+                    // (retention 0), so the pool can be used again; untimed.
+                    let end = g.epoch() * 10_000_000 + next;
+                    g.checkpoint(&[(lane, end)], Vec::new())
                         .expect("checkpoint");
                     next = 0;
-                    // Offsets keep growing: the pool is reused, so use a
-                    // fresh offset range through the epoch number.
                 }
+                // Each epoch has its own offset range.
                 let epoch = g.epoch();
                 let started = Instant::now();
                 for i in next..next + PER_ITER {

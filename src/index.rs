@@ -58,20 +58,83 @@ fn slots_for(homes: usize) -> usize {
     homes + homes / 128 + 32
 }
 
-/// Slots for ascending non-zero `sorted` hashes over at least `homes` home
-/// slots, in one pass; returns them with the number of home slots used.
-fn lay_out(sorted: impl Iterator<Item = u128> + Clone, homes: usize) -> (Box<[u128]>, usize) {
+/// Lays out the hashes held in `v` (ascending, with any number of empty
+/// slots between them) over at least `homes` home slots. Returns the slots
+/// and the number of home slots used.
+///
+/// The layout is canonical: each hash goes to `max(home, previous + 1)`.
+/// When every hash moves right (a bigger table, or a compact sorted
+/// vector), it is done in place: the vector is extended (a `realloc`,
+/// which for large tables remaps pages rather than copying them) and the
+/// hashes are moved from the last one down. When every hash moves left (a
+/// smaller table), it is done in place from the first one up. Otherwise a
+/// new vector is laid out.
+fn lay_out(mut v: Vec<u128>, homes: usize) -> (Box<[u128]>, usize) {
     let mut homes = homes.max(16);
-    'size: loop {
-        let mut slots = vec![0u128; slots_for(homes)].into_boxed_slice();
+    let count = v.iter().filter(|&&s| s != 0).count();
+    loop {
+        let len = slots_for(homes);
+        // Where each hash goes, and which way they all move.
+        let (mut right, mut left, mut fits) = (true, true, true);
+        let track = len <= u32::MAX as usize;
+        let mut places: Vec<u32> = Vec::with_capacity(if track { count } else { 0 });
         let mut next = 0;
-        for h in sorted.clone() {
+        for (q, &h) in v.iter().enumerate().filter(|(_, s)| **s != 0) {
             let at = home_of(h, homes).max(next);
             // Keep the last slot empty; spill-over this long is rare.
-            if at + 1 >= slots.len() {
-                homes += homes / 8 + 16;
-                continue 'size;
+            if at + 1 >= len {
+                fits = false;
+                break;
             }
+            right &= at >= q;
+            left &= at <= q;
+            if track {
+                places.push(at as u32);
+            }
+            next = at + 1;
+        }
+        if !fits {
+            homes += homes / 8 + 16;
+            continue;
+        }
+        if track && right && len >= v.len() {
+            let old = v.len();
+            v.reserve_exact(len - old);
+            v.resize(len, 0);
+            let mut k = places.len();
+            for q in (0..old).rev() {
+                let h = v[q];
+                if h != 0 {
+                    k -= 1;
+                    let at = places[k] as usize;
+                    if at != q {
+                        v[at] = h;
+                        v[q] = 0;
+                    }
+                }
+            }
+            return (v.into_boxed_slice(), homes);
+        }
+        if track && left {
+            let mut k = 0;
+            for q in 0..v.len() {
+                let h = v[q];
+                if h != 0 {
+                    let at = places[k] as usize;
+                    k += 1;
+                    if at != q {
+                        v[at] = h;
+                        v[q] = 0;
+                    }
+                }
+            }
+            v.resize(len, 0);
+            return (v.into_boxed_slice(), homes);
+        }
+        let mut slots = vec![0u128; len].into_boxed_slice();
+        let mut next = 0;
+        for &h in v.iter().filter(|&&s| s != 0) {
+            let at = home_of(h, homes).max(next);
             slots[at] = h;
             next = at + 1;
         }
@@ -151,12 +214,15 @@ impl FpTable {
         hashes.sort_unstable();
         hashes.dedup();
         let zero = hashes.first() == Some(&0);
-        let sorted = &hashes[usize::from(zero)..];
-        let (slots, homes) = lay_out(sorted.iter().copied(), sorted.len() * 100 / load_pct + 1);
+        if zero {
+            hashes.remove(0);
+        }
+        let len = hashes.len();
+        let (slots, homes) = lay_out(hashes, len * 100 / load_pct + 1);
         FpTable {
             slots,
             homes,
-            len: sorted.len(),
+            len,
             zero,
         }
     }
@@ -172,8 +238,8 @@ impl FpTable {
 
     /// Lays the hashes out again over `homes` home slots (at least).
     fn rebuild(&mut self, homes: usize) {
-        let hashes = self.slots.iter().copied().filter(|&s| s != 0);
-        (self.slots, self.homes) = lay_out(hashes, homes);
+        let slots = std::mem::take(&mut self.slots).into_vec();
+        (self.slots, self.homes) = lay_out(slots, homes);
     }
 
     /// Number of hashes.
