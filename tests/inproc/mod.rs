@@ -125,10 +125,13 @@ impl Broker {
             if Instant::now() > deadline {
                 return Err(format!("reading {topic} timed out; left {left:?}").into());
             }
-            let Some(m) = c.poll(Duration::from_millis(200)) else {
-                continue;
+            let m = match c.poll(Duration::from_millis(200)) {
+                None => continue,
+                // With enable.partition.eof, a partition already read to
+                // its end reports EOF while others are still being read.
+                Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => continue,
+                Some(m) => m?,
             };
-            let m = m?;
             let value = String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned();
             let headers = m
                 .headers()
