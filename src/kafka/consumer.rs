@@ -152,6 +152,7 @@ impl GuardedConsumerBuilder {
                 counters: Default::default(),
                 aborted: false,
                 partial: HashMap::new(),
+                at_eof: Default::default(),
             })),
             producer: None,
             reconciler: None,
@@ -240,8 +241,8 @@ impl GuardedConsumer {
             self.check_failure()?;
             let m = match msg {
                 Ok(m) => m,
-                Err(KafkaError::PartitionEOF(_)) => {
-                    if self.stop_at_end && self.at_end()? {
+                Err(KafkaError::PartitionEOF(p)) => {
+                    if self.stop_at_end && self.core.at_end(&self.consumer, p, self.timeout)? {
                         return Ok(None);
                     }
                     continue;
@@ -356,27 +357,5 @@ impl GuardedConsumer {
             Some(f) => Err(Error::Config(format!("consumer stopped: {f}"))),
             None => Ok(()),
         }
-    }
-
-    fn at_end(&self) -> Result<bool> {
-        let assignment = self
-            .consumer
-            .assignment()
-            .map_err(kafka("reading the assignment"))?;
-        if assignment.count() == 0 {
-            return Ok(false);
-        }
-        for e in assignment.elements() {
-            let (_, hi) = self
-                .consumer
-                .fetch_watermarks(e.topic(), e.partition(), self.timeout)
-                .map_err(kafka("reading watermarks"))?;
-            let s = self.core.lock();
-            let t = s.tracks.get(e.topic()).and_then(|m| m.get(&e.partition()));
-            if t.and_then(|t| t.next).unwrap_or(0) < hi {
-                return Ok(false);
-            }
-        }
-        Ok(true)
     }
 }

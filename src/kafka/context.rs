@@ -82,6 +82,9 @@ pub(crate) struct Shared {
     /// (topic, partition, offset) to the indices already written. Their
     /// replay writes only the missing ones.
     pub partial: HashMap<(String, i32, i64), std::collections::BTreeSet<u32>>,
+    /// Partition numbers that reported end-of-partition with no record
+    /// since; the exact end check runs only when all assigned ones did.
+    pub at_eof: std::collections::HashSet<i32>,
 }
 
 impl Shared {
@@ -153,6 +156,7 @@ impl Shared {
     ) -> Result<bool> {
         self.counters.records_in += 1;
         metrics::counter!("replayguard_records_in_total").increment(1);
+        self.at_eof.remove(&partition);
         let lane = self.lane(topic, partition);
         let t = self.track(topic, partition);
         if t.next.is_some_and(|n| offset < n) {
@@ -292,6 +296,48 @@ impl Core {
             s.guard.take()
         };
         drop(guard);
+    }
+
+    /// Notes that partition `eof` reached its end, and tells whether every
+    /// assigned partition was dispatched to its high watermark. The
+    /// watermarks (one round trip each) are read only once every assigned
+    /// partition has reported its end.
+    pub fn at_end(
+        &self,
+        consumer: &impl Consumer<GuardContext>,
+        eof: i32,
+        timeout: Duration,
+    ) -> Result<bool> {
+        let assignment = consumer
+            .assignment()
+            .map_err(super::setup::kafka("reading the assignment"))?;
+        {
+            let mut s = self.lock();
+            s.at_eof.insert(eof);
+            if assignment.count() == 0
+                || assignment
+                    .elements()
+                    .iter()
+                    .any(|e| !s.at_eof.contains(&e.partition()))
+            {
+                return Ok(false);
+            }
+        }
+        for e in assignment.elements() {
+            let (_, hi) = consumer
+                .fetch_watermarks(e.topic(), e.partition(), timeout)
+                .map_err(super::setup::kafka("reading input watermarks"))?;
+            let s = self.lock();
+            let next = s
+                .tracks
+                .get(e.topic())
+                .and_then(|m| m.get(&e.partition()))
+                .and_then(|t| t.next);
+            if next.unwrap_or(0) < hi {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     pub fn failure(&self) -> Option<String> {

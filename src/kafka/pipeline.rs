@@ -354,6 +354,7 @@ impl GuardedPipelineBuilder {
             counters: Default::default(),
             aborted: false,
             partial: HashMap::new(),
+            at_eof: Default::default(),
         }));
         if let Ok(mut s) = shared.lock() {
             // Sink positions carry on from the last manifest; reconciliation
@@ -568,8 +569,10 @@ impl GuardedPipeline {
             self.check_failure()?;
             let m = match msg {
                 Ok(m) => m,
-                Err(KafkaError::PartitionEOF(_)) => {
-                    if self.stop_at_end && self.at_end()? {
+                Err(KafkaError::PartitionEOF(p)) => {
+                    if self.stop_at_end
+                        && self.core.at_end(&self.consumer, p, self.flush_timeout)?
+                    {
                         break;
                     }
                     continue;
@@ -734,33 +737,5 @@ impl GuardedPipeline {
         metrics::histogram!("replayguard_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());
         Ok(())
-    }
-
-    /// True when every assigned partition was dispatched to its high
-    /// watermark.
-    fn at_end(&self) -> Result<bool> {
-        let assignment = self
-            .consumer
-            .assignment()
-            .map_err(kafka("reading the assignment"))?;
-        if assignment.count() == 0 {
-            return Ok(false);
-        }
-        for e in assignment.elements() {
-            let (_, hi) = self
-                .consumer
-                .fetch_watermarks(e.topic(), e.partition(), self.flush_timeout)
-                .map_err(kafka("reading input watermarks"))?;
-            let s = self.core.lock();
-            let next = s
-                .tracks
-                .get(e.topic())
-                .and_then(|m| m.get(&e.partition()))
-                .and_then(|t| t.next);
-            if next.unwrap_or(0) < hi {
-                return Ok(false);
-            }
-        }
-        Ok(true)
     }
 }
