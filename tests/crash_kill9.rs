@@ -5,22 +5,30 @@
 //! output is read back with confluent-kafka, a client that is not ours.
 //!
 //! - `pipe`, 1 partition: every integer exactly once and in order, after
-//!   kills during start-up, catch-up and at the tail.
+//!   20 kills during start-up, catch-up and at the tail.
 //! - `pipe`, 3 partitions, two instances in one group with their own state
 //!   folders, killed independently: every integer once, in order per
-//!   partition.
-//! - The control: the same kills with `--mode at-least-once` duplicate, so
-//!   the check above can fail.
-//! - `consume` over upstream resends, killed mid-read: each value printed
-//!   once, except that the one record being printed when a kill lands may
-//!   be printed again by the next run (it is acked after it is written).
+//!   partition, each output partition holding its input partition.
+//! - The control: `--mode at-least-once` killed once it has copied a while
+//!   writes duplicates, so the check above can fail.
+//! - `consume` over upstream resends, killed mid-read. It writes and
+//!   flushes a record to stdout, then acks it (the ack reaches the store
+//!   before the next record is printed), so the record being printed when a
+//!   kill lands may be printed again, first, by the next run. Asserted: the
+//!   runs' output is the topic's distinct values once each, in topic order,
+//!   apart from at most that one repeat per kill.
 //! - The broker frozen with SIGSTOP for longer than the request and flush
-//!   timeouts: `pipe` waits or fails with a clear error, and after a
-//!   restart the output is still exactly once.
+//!   timeouts: `pipe` waits, or fails with an error line (and is
+//!   restarted), and the output is still exactly once.
+//! - The seed scenario on Tansu. Two variants are ignored: Tansu 0.6's group
+//!   coordinator, not the guard, stalls them (the evidence is in their
+//!   `ignore` reasons); the third gives each run a new group.
 //!
-//! Every test draws its kill moments from a seeded RNG and prints the seed;
-//! `CRASH_SEED=<seed>` replays the same plan. Each is bounded in time, and
-//! every process it starts is killed when its handle drops.
+//! Every test draws its kill plan from a seeded RNG and prints the seed;
+//! `CRASH_SEED=<seed>` replays the same plan (the processes' timing still
+//! varies). A failure keeps the runs' logs and says where. Each test is
+//! bounded in time, and every process it starts is killed when its handle
+//! drops.
 
 mod support;
 
@@ -772,7 +780,7 @@ fn two_pipes_in_one_group_killed_independently_copy_each_integer_once() -> TestR
             kills[1],
             started.elapsed()
         );
-        if landed.catch_up + landed.tail < PAIR_KILLS as u32 / 2 {
+        if landed.catch_up + landed.tail < PAIR_KILLS as u32 / 3 {
             return Err(format!(
                 "too few kills landed while output moved: {landed:?}; the group spent the run \
                  rebalancing"
