@@ -296,8 +296,7 @@ impl Store {
                 creating
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let mut entries = std::fs::read_dir(path).map_err(open_err)?;
-                if entries.next().is_some() {
+                if !is_new_folder(path).map_err(open_err)? {
                     return Err(Error::ForeignState {
                         path: path.to_owned(),
                     });
@@ -307,6 +306,12 @@ impl Store {
             }
             Err(e) => return Err(open_err(e)),
         };
+        if creating && db_path.exists() {
+            // Creation was interrupted before the database held its format
+            // key, so it holds nothing of the guard's: start it afresh
+            // (fjall cannot reopen a database whose creation was cut short).
+            std::fs::remove_dir_all(&db_path).map_err(open_err)?;
+        }
         let db = Database::builder(&db_path).open().map_err(|e| match e {
             fjall::Error::Locked => Error::InUse {
                 path: path.to_owned(),
@@ -556,6 +561,26 @@ fn read_err(path: &Path, e: fjall::Error) -> Error {
         store_err(path, e)
     }
 }
+
+/// Whether a folder without a marker may become a state folder: it is
+/// empty, or holds only the marker's temporary file (a kill while the first
+/// open wrote the marker). Anything else is somebody else's folder.
+///
+/// # Errors
+///
+/// The folder cannot be listed.
+pub fn is_new_folder(path: &Path) -> std::io::Result<bool> {
+    let tmp_name = format!("{MARKER}.tmp");
+    for entry in std::fs::read_dir(path)? {
+        if entry?.file_name() != tmp_name.as_str() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The name of the marker file of a state folder.
+pub const MARKER_FILE: &str = MARKER;
 
 fn check_marker(path: &Path, text: &str) -> Result<()> {
     let mut lines = text.lines();

@@ -102,7 +102,7 @@ pub fn check_properties(args: &GuardArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-const MARKER: &str = "REPLAYGUARD";
+const MARKER: &str = replayguard::store::MARKER_FILE;
 
 /// Refuses a `--state` that the guard would refuse, before any broker is
 /// contacted, and a path whose parent is missing (most likely a typo, which
@@ -114,7 +114,10 @@ pub fn check_state_for_run(path: &Path) -> Result<(), Failure> {
             path.display()
         ))),
         Ok(_) => {
-            if path.join(MARKER).is_file() || is_empty(path)? {
+            let new = replayguard::store::is_new_folder(path).map_err(|e| {
+                Failure::runtime(format!("cannot read --state {}: {e}", path.display()))
+            })?;
+            if path.join(MARKER).is_file() || new {
                 Ok(())
             } else {
                 Err(Failure::runtime(Error::ForeignState {
@@ -176,14 +179,6 @@ pub fn check_state_exists(path: &Path) -> Result<(), Failure> {
             path.display()
         )))
     }
-}
-
-fn is_empty(path: &Path) -> Result<bool, Failure> {
-    let mut entries = std::fs::read_dir(path).map_err(|source| Error::Open {
-        path: path.to_owned(),
-        source,
-    })?;
-    Ok(entries.next().is_none())
 }
 
 /// SIGINT and SIGTERM. The first asks for a stop (finish the record at
