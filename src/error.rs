@@ -136,6 +136,11 @@ pub enum Error {
         message: String,
     },
 
+    /// A pipeline or consumer stopped at run time: an output not delivered
+    /// or not acked in time, an injected fault, a failed recovery.
+    #[error("{0}")]
+    Stopped(String),
+
     /// An I/O error outside the store.
     #[error("I/O failed: {0}")]
     Io(#[from] std::io::Error),

@@ -354,7 +354,7 @@ impl GuardedConsumer {
 
     fn check_failure(&self) -> Result<()> {
         match self.core.failure() {
-            Some(f) => Err(Error::Config(format!("consumer stopped: {f}"))),
+            Some(f) => Err(Error::Stopped(format!("consumer stopped: {f}"))),
             None => Ok(()),
         }
     }

@@ -358,7 +358,7 @@ impl Core {
         let tpl = {
             let mut s = self.lock();
             if let Some(f) = &s.failure {
-                return Err(Error::Config(format!(
+                return Err(Error::Stopped(format!(
                     "not checkpointing after a failure: {f}"
                 )));
             }
@@ -373,7 +373,7 @@ impl Core {
                 },
             );
             if self.producer.is_some() && unacked > 0 {
-                return Err(Error::Config(format!(
+                return Err(Error::Stopped(format!(
                     "{unacked} outputs still unacked after the flush timeout"
                 )));
             }

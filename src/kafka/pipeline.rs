@@ -690,7 +690,7 @@ impl GuardedPipeline {
                             "producing the output of {topic}[{partition}]@{offset} failed: {e}"
                         );
                         self.core.lock().fail(msg.clone());
-                        return Err(Error::Config(msg));
+                        return Err(Error::Stopped(msg));
                     }
                 }
             }
@@ -699,7 +699,7 @@ impl GuardedPipeline {
                 let msg =
                     format!("injected crash between the outputs of {topic}[{partition}]@{offset}");
                 self.core.lock().fail(msg.clone());
-                return Err(Error::Config(msg));
+                return Err(Error::Stopped(msg));
             }
         }
         Ok(())
@@ -707,7 +707,7 @@ impl GuardedPipeline {
 
     fn check_failure(&self) -> Result<()> {
         match self.core.failure() {
-            Some(f) => Err(Error::Config(format!("pipeline stopped: {f}"))),
+            Some(f) => Err(Error::Stopped(format!("pipeline stopped: {f}"))),
             None => Ok(()),
         }
     }
@@ -724,7 +724,7 @@ impl GuardedPipeline {
                 break;
             }
             if started.elapsed() > self.flush_timeout {
-                return Err(Error::Config(format!(
+                return Err(Error::Stopped(format!(
                     "outputs not acked within {:?}; is the broker up?",
                     self.flush_timeout
                 )));

@@ -119,7 +119,7 @@ impl Reconciler {
             let Some(r) = self.reader.poll(Duration::from_millis(200)) else {
                 if last_progress.elapsed() > self.timeout {
                     let _ = self.reader.unassign();
-                    return Err(Error::Config(format!(
+                    return Err(Error::Stopped(format!(
                         "output reconciliation of {} made no progress for {:?}; partitions left: {:?}",
                         self.topic, self.timeout, targets
                     )));
