@@ -33,18 +33,39 @@ const LOADED_OPEN_LOAD_PCT: usize = 70;
 /// - the last slot is always empty, so a scan always ends.
 ///
 /// A lookup starts at the home and scans while the slots hold smaller
-/// hashes: one cache miss and a few neighbours, for a hit or a miss. An
-/// insert shifts the rest of its cluster right by one.
+/// hashes: one cache miss and a few neighbours. An insert shifts the rest
+/// of its cluster right by one.
 ///
-/// An open table grows by a quarter at 85% load, so it stays 68-85% full:
-/// 18.8 to 23.5 bytes a hash. Growing is one sequential pass, since the
-/// order is kept. A sealed table is laid out 80% full (20 bytes a hash).
+/// In front of the slots sits a small Bloom filter, 6 bits a home slot in
+/// one 64-bit word per lookup, set from the hash's low bits (the home uses
+/// the top bits). It is about 1/20 of the table, so it mostly stays in the
+/// CPU cache, and it answers about 19 lookups of an absent hash in 20
+/// without touching the slots: fresh records are the common case.
+///
+/// An open table grows by a fifth at 85% load, so it stays 71-85% full:
+/// 18.9 to 23.8 bytes a hash, filter included. Growing is one sequential
+/// pass, since the order is kept. A sealed table is laid out 80% full
+/// (21.1 bytes a hash).
 #[derive(Debug, Default)]
 pub struct FpTable {
     slots: Box<[u128]>,
+    filter: Box<[u64]>,
     homes: usize,
     len: usize,
     zero: bool,
+}
+
+/// Filter words for `homes` home slots: 6 bits each.
+fn filter_words(homes: usize) -> usize {
+    (homes * 3 / 32).max(1)
+}
+
+/// The filter word of `h` among `words`, and the bits it sets there.
+fn filter_bits(h: u128, words: usize) -> (usize, u64) {
+    let lo = h as u64;
+    let word = ((u128::from(lo) * words as u128) >> 64) as usize;
+    let bits = (1u64 << (lo & 63)) | (1u64 << ((lo >> 6) & 63)) | (1u64 << ((lo >> 12) & 63));
+    (word, bits)
 }
 
 /// The home slot of `h` in a table of `homes` home slots.
@@ -55,7 +76,7 @@ fn home_of(h: u128, homes: usize) -> usize {
 /// Slots of a table with `homes` home slots: room past the last home for
 /// clusters that spill over, and the always-empty last slot.
 fn slots_for(homes: usize) -> usize {
-    homes + homes / 128 + 32
+    homes + homes / 512 + 32
 }
 
 /// Lays out the hashes held in `v` (ascending, with any number of empty
@@ -149,6 +170,10 @@ impl FpTable {
         if h == 0 {
             return self.zero;
         }
+        let (word, bits) = filter_bits(h, self.filter.len());
+        if self.filter.get(word).is_none_or(|w| w & bits != bits) {
+            return false;
+        }
         let from = home_of(h, self.homes);
         for &s in self.slots.get(from..).unwrap_or_default() {
             if s >= h || s == 0 {
@@ -169,7 +194,7 @@ impl FpTable {
             let grown = if self.homes < 4096 {
                 (self.homes * 2).max(16)
             } else {
-                self.homes + self.homes / 4
+                self.homes + self.homes / 5
             };
             self.rebuild(grown);
         }
@@ -190,10 +215,14 @@ impl FpTable {
                     self.slots.copy_within(i..j, i + 1);
                     self.slots[i] = h;
                     self.len += 1;
+                    let (word, bits) = filter_bits(h, self.filter.len());
+                    if let Some(w) = self.filter.get_mut(word) {
+                        *w |= bits;
+                    }
                     return true;
                 }
                 // The cluster would take the last slot: grow, then retry.
-                _ => self.rebuild(self.homes + self.homes / 4 + 16),
+                _ => self.rebuild(self.homes + self.homes / 5 + 16),
             }
         }
     }
@@ -219,12 +248,15 @@ impl FpTable {
         }
         let len = hashes.len();
         let (slots, homes) = lay_out(hashes, len * 100 / load_pct + 1);
-        FpTable {
+        let mut t = FpTable {
             slots,
+            filter: Box::default(),
             homes,
             len,
             zero,
-        }
+        };
+        t.refill();
+        t
     }
 
     /// Lays a table that will not change again out fuller, if it is not
@@ -240,6 +272,18 @@ impl FpTable {
     fn rebuild(&mut self, homes: usize) {
         let slots = std::mem::take(&mut self.slots).into_vec();
         (self.slots, self.homes) = lay_out(slots, homes);
+        self.refill();
+    }
+
+    /// Sizes the filter for the home slots and sets every hash's bits.
+    fn refill(&mut self) {
+        let words = filter_words(self.homes);
+        let mut filter = vec![0u64; words].into_boxed_slice();
+        for &h in self.slots.iter().filter(|&&s| s != 0) {
+            let (word, bits) = filter_bits(h, words);
+            filter[word] |= bits;
+        }
+        self.filter = filter;
     }
 
     /// Number of hashes.
@@ -248,10 +292,10 @@ impl FpTable {
         self.len + usize::from(self.zero)
     }
 
-    /// Heap bytes held: the slots.
+    /// Heap bytes held: the slots and the filter.
     #[must_use]
     pub fn memory_bytes(&self) -> usize {
-        self.slots.len() * 16
+        self.slots.len() * 16 + self.filter.len() * 8
     }
 }
 
@@ -259,6 +303,9 @@ impl FpTable {
 #[derive(Debug, Default)]
 pub struct EpochIndex {
     offsets: RoaringTreemap,
+    /// The highest offset: a record past it (the usual fresh record) is
+    /// answered without a bitmap lookup.
+    max_offset: Option<u64>,
     ids: RoaringTreemap,
     hashes: FpTable,
     sealed: bool,
@@ -268,6 +315,7 @@ impl EpochIndex {
     /// Records a position.
     pub fn insert_offset(&mut self, offset: u64) {
         self.offsets.insert(offset);
+        self.max_offset = self.max_offset.max(Some(offset));
     }
 
     /// Records a content fingerprint. Sealed epochs are read-only: inserting
@@ -305,6 +353,7 @@ impl EpochIndex {
     /// Merges a bitmap of offsets (used on load).
     pub fn merge_offsets(&mut self, offsets: &RoaringTreemap) {
         self.offsets |= offsets;
+        self.max_offset = self.max_offset.max(offsets.max());
     }
 
     /// Merges a bitmap of ids (used on load).
@@ -315,7 +364,7 @@ impl EpochIndex {
     /// Whether this epoch handled the offset.
     #[must_use]
     pub fn contains_offset(&self, offset: u64) -> bool {
-        self.offsets.contains(offset)
+        self.max_offset.is_some_and(|m| offset <= m) && self.offsets.contains(offset)
     }
 
     /// Whether this epoch handled the fingerprint.
@@ -442,6 +491,13 @@ mod test {
             }
             assert_eq!(count, self.len);
             assert_eq!(self.slots.last().copied().unwrap_or(0), 0, "last slot used");
+            if self.homes > 0 {
+                assert_eq!(self.filter.len(), filter_words(self.homes));
+            }
+            for &h in self.slots.iter().filter(|&&s| s != 0) {
+                let (word, bits) = filter_bits(h, self.filter.len());
+                assert_eq!(self.filter[word] & bits, bits, "filter misses {h:x}");
+            }
         }
     }
 
@@ -480,9 +536,10 @@ mod test {
             assert!(t.contains(h));
         }
         assert!(t.contains(0));
-        // Sealed, the table is 80 to 85% full.
+        // Sealed, the table is 80 to 85% full, and the filter adds 6 bits a
+        // slot.
         let per = t.memory_bytes() as f64 / t.len() as f64;
-        assert!((18.5..20.5).contains(&per), "{per} bytes a hash");
+        assert!((19.5..21.5).contains(&per), "{per} bytes a hash");
         let built = FpTable::from_hashes(model.iter().copied().chain([5, 5, 0]).collect(), 80);
         built.check_invariants();
         assert_eq!(built.len(), model.len() + 1);
