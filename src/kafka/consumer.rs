@@ -1,7 +1,6 @@
 //! The guarded consumer: wraps a `StreamConsumer` and yields each record
 //! once within the retention (G2).
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -120,20 +119,8 @@ impl GuardedConsumerBuilder {
         if self.topics.is_empty() {
             return Err(Error::Config("no topic given".into()));
         }
-        if !(Duration::from_millis(10)..=Duration::from_secs(3600))
-            .contains(&self.checkpoint_interval)
-        {
-            return Err(Error::Config(
-                "checkpoint interval must be between 10ms and 1h".into(),
-            ));
-        }
-        let group = self
-            .config
-            .get("group.id")
-            .ok_or_else(|| {
-                Error::Config("the consumer configuration has no group.id; set one".into())
-            })?
-            .to_owned();
+        setup::check_interval(self.checkpoint_interval)?;
+        let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         setup::probe_topics(&self.config, &topics, self.connect_attempts)?;
         let guard = Guard::builder(&self.state)
@@ -144,16 +131,7 @@ impl GuardedConsumerBuilder {
         let instance = setup::instance_id(&self.state, &group)?;
         let cfg = setup::guarded_consumer_config(&self.config, &instance)?;
         let core = Arc::new(Core {
-            shared: Arc::new(Mutex::new(Shared {
-                guard: Some(guard),
-                tracks: HashMap::new(),
-                sink: None,
-                failure: None,
-                counters: Default::default(),
-                aborted: false,
-                partial: HashMap::new(),
-                at_eof: Default::default(),
-            })),
+            shared: Shared::new(Some(guard)),
             producer: None,
             reconciler: None,
             mode: Mode::Guarded,

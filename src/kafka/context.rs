@@ -88,6 +88,20 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Shared state around a guard (none in the baseline modes).
+    pub fn new(guard: Option<Guard>) -> Arc<Mutex<Self>> {
+        Arc::new(Mutex::new(Shared {
+            guard,
+            tracks: HashMap::new(),
+            sink: None,
+            failure: None,
+            counters: Counters::default(),
+            aborted: false,
+            partial: HashMap::new(),
+            at_eof: std::collections::HashSet::new(),
+        }))
+    }
+
     pub fn track(&mut self, topic: &str, partition: i32) -> &mut Track {
         if !self.tracks.contains_key(topic) {
             self.tracks.insert(topic.to_owned(), HashMap::new());

@@ -1,7 +1,6 @@
 //! The guarded pipeline: consumer, then a user function, then an idempotent
 //! producer, with output reconciliation (G1).
 
-use std::collections::HashMap;
 use std::fmt::Display;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -299,20 +298,8 @@ impl GuardedPipelineBuilder {
         if self.inputs.is_empty() {
             return Err(Error::Config("no input topic given".into()));
         }
-        if !(Duration::from_millis(10)..=Duration::from_secs(3600))
-            .contains(&self.checkpoint_interval)
-        {
-            return Err(Error::Config(
-                "checkpoint interval must be between 10ms and 1h".into(),
-            ));
-        }
-        let group = self
-            .consumer
-            .get("group.id")
-            .ok_or_else(|| {
-                Error::Config("the consumer configuration has no group.id; set one".into())
-            })?
-            .to_owned();
+        setup::check_interval(self.checkpoint_interval)?;
+        let group = setup::group_id(&self.consumer)?;
         let mut producer_cfg = setup::idempotent_producer_config(
             &self
                 .producer
@@ -346,16 +333,7 @@ impl GuardedPipelineBuilder {
             )?),
             _ => None,
         };
-        let shared = Arc::new(Mutex::new(Shared {
-            guard: (self.mode == Mode::Guarded).then_some(guard),
-            tracks: HashMap::new(),
-            sink: None,
-            failure: None,
-            counters: Default::default(),
-            aborted: false,
-            partial: HashMap::new(),
-            at_eof: Default::default(),
-        }));
+        let shared = Shared::new((self.mode == Mode::Guarded).then_some(guard));
         if let Ok(mut s) = shared.lock() {
             // Sink positions carry on from the last manifest; reconciliation
             // advances them once it has read the output.

@@ -42,15 +42,29 @@ pub(crate) fn brokers(cfg: &ClientConfig) -> String {
         .to_owned()
 }
 
+/// The consumer group of a configuration; a guard needs one.
+pub(crate) fn group_id(cfg: &ClientConfig) -> Result<String> {
+    cfg.get("group.id")
+        .map(str::to_owned)
+        .ok_or_else(|| Error::Config("the consumer configuration has no group.id; set one".into()))
+}
+
+/// Refuses a checkpoint interval outside 10 ms to 1 h.
+pub(crate) fn check_interval(d: Duration) -> Result<()> {
+    if (Duration::from_millis(10)..=Duration::from_secs(3600)).contains(&d) {
+        Ok(())
+    } else {
+        Err(Error::Config(
+            "checkpoint interval must be between 10ms and 1h".into(),
+        ))
+    }
+}
+
 /// Applies the settings a guarded consumer needs. `instance` is the static
 /// membership id derived from the state folder.
 pub(crate) fn guarded_consumer_config(user: &ClientConfig, instance: &str) -> Result<ClientConfig> {
+    group_id(user)?;
     let mut cfg = user.clone();
-    if cfg.get("group.id").is_none() {
-        return Err(Error::Config(
-            "the consumer configuration has no group.id; set one".into(),
-        ));
-    }
     cfg.set("enable.auto.commit", "false");
     cfg.set("enable.auto.offset.store", "false");
     cfg.set("enable.partition.eof", "true");
