@@ -1,13 +1,11 @@
 //! Bad input to the adapters gives a typed error with a clear message.
 
-mod inproc;
-
 use std::time::{Duration, Instant};
 
-use inproc::{Broker, TestResult};
 use rdkafka::ClientConfig;
 use replayguard::kafka::{GuardedConsumer, GuardedPipeline};
 use replayguard::{Error, Guard};
+use replayguard_testkit::{InProcessBroker as Broker, TestResult};
 
 #[test]
 fn unknown_topic_is_named() -> TestResult {
@@ -90,7 +88,7 @@ fn producer_without_idempotence_or_full_acks_is_refused() -> TestResult {
         let dir = tempfile::tempdir()?;
         let mut producer = ClientConfig::new();
         producer
-            .set("bootstrap.servers", &broker.bootstrap)
+            .set("bootstrap.servers", broker.bootstrap())
             .set(key, value);
         let r = GuardedPipeline::builder(broker.consumer_config("g"), dir.path())
             .input("in")
@@ -111,7 +109,7 @@ fn missing_group_or_topics_is_refused() -> TestResult {
     let broker = Broker::start(&[("in", 1), ("out", 1)])?;
     let dir = tempfile::tempdir()?;
     let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", &broker.bootstrap);
+    cfg.set("bootstrap.servers", broker.bootstrap());
     let r = GuardedPipeline::builder(cfg, dir.path())
         .input("in")
         .output("out")

@@ -3,8 +3,6 @@
 //! SIGTERM, SIGKILL and restart, and one test per error a user can meet,
 //! each of which must be one line with the right exit status.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -14,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use replayguard::kafka::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
-use support::{
+use replayguard_testkit::{
     MockBroker, NewRecord, PyClient, TestProducer, TestResult, check_each_once, end_offsets,
     free_port, integers, produce, produce_integers, read_topic, run_bounded, send_signal,
     wait_bounded,
@@ -297,12 +295,12 @@ fn pipe_baseline_modes_copy_each_record_once_without_crashes() -> TestResult {
             .arg(state.path())
             .args(["-X", "session.timeout.ms=6000", "--stop-at-end"]);
         success(&run_bounded(&mut c, RUN_LIMIT)?, mode)?;
-        let copied = support::read_topic_with(
+        let copied = replayguard_testkit::read_topic_with(
             broker.bootstrap(),
             output,
-            &support::ReadOptions {
+            &replayguard_testkit::ReadOptions {
                 read_committed: true,
-                ..support::ReadOptions::default()
+                ..replayguard_testkit::ReadOptions::default()
             },
         )?;
         check_each_once(&integers(&copied)?, 1..=100).map_err(|e| format!("{mode}: {e}"))?;

@@ -2,13 +2,11 @@
 //! record once across a crash, filters upstream resends at new offsets
 //! within the retention, and lets them through after it.
 
-mod inproc;
-
 use std::path::Path;
 use std::time::Duration;
 
-use inproc::{Broker, TestResult};
 use replayguard::kafka::GuardedConsumer;
+use replayguard_testkit::{InProcessBroker as Broker, TestResult};
 
 fn value(r: &replayguard::kafka::GuardedRecord) -> TestResult<u64> {
     use rdkafka::Message;
@@ -65,7 +63,7 @@ async fn acked_records_are_not_delivered_again_after_a_crash() -> TestResult {
         "the replay of 1..=20 is filtered: {:?}",
         c.stats()
     );
-    inproc::drop_off_runtime(c);
+    replayguard_testkit::drop_off_runtime(c);
     Ok(())
 }
 
@@ -84,7 +82,7 @@ async fn upstream_resends_are_filtered_within_the_retention() -> TestResult {
     expected.extend([41, 46, 42, 43, 44, 45]);
     assert_eq!(got, expected, "each value once, in first-seen order");
     assert_eq!(c.stats().duplicates, 10);
-    inproc::drop_off_runtime(c);
+    replayguard_testkit::drop_off_runtime(c);
     Ok(())
 }
 
@@ -115,7 +113,7 @@ async fn resends_pass_once_their_epoch_left_the_retention() -> TestResult {
                 "retention {retention}: the resend is filtered, got {again:?}"
             );
         }
-        inproc::drop_off_runtime(c);
+        replayguard_testkit::drop_off_runtime(c);
     }
     Ok(())
 }
@@ -139,7 +137,7 @@ async fn custom_identity_filters_by_business_id() -> TestResult {
     assert_eq!(read(&c, usize::MAX).await?, vec![5, 6, 7]);
     let stats = c.stats().guard.ok_or("guarded consumer has engine stats")?;
     assert_eq!(stats.duplicates_same_content, 2);
-    inproc::drop_off_runtime(c);
+    replayguard_testkit::drop_off_runtime(c);
     Ok(())
 }
 
@@ -155,6 +153,6 @@ async fn a_resend_of_an_unacked_record_is_not_delivered_alongside_it() -> TestRe
     assert_eq!((value(&first)?, value(&second)?), (7, 8));
     c.ack_many(&[first, second])?;
     assert!(c.recv().await?.is_none());
-    inproc::drop_off_runtime(c);
+    replayguard_testkit::drop_off_runtime(c);
     Ok(())
 }

@@ -30,8 +30,6 @@
 //! bounded in time, and every process it starts is killed when its handle
 //! drops.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::os::unix::process::ExitStatusExt;
@@ -49,9 +47,9 @@ use rand::{Rng, SeedableRng};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
-use support::{
-    MockBroker, PyClient, Record, TansuBroker, TestProducer, TestResult, check_each_once,
-    check_increasing, integers, lines_of, produce_integers, read_topic, send_signal, wait_bounded,
+use replayguard_testkit::{
+    Frozen, MockBroker, PyClient, Record, TansuBroker, TestProducer, TestResult, check_each_once,
+    check_increasing, integers, lines_of, produce_integers, read_topic, wait_bounded,
 };
 
 /// How long a final `--stop-at-end` run may take (group join, recovery,
@@ -1054,29 +1052,6 @@ fn consume_killed_mid_read_prints_each_value_once_but_the_record_at_a_kill() -> 
 
 // ---------------------------------------------------------------------------
 // Broker trouble
-
-/// Thaws a process frozen with SIGSTOP when dropped, so a failing test does
-/// not leave it frozen.
-struct Frozen(u32);
-
-impl Frozen {
-    fn freeze(pid: u32) -> TestResult<Self> {
-        send_signal(pid, "STOP")?;
-        Ok(Self(pid))
-    }
-
-    fn thaw(self) -> TestResult {
-        let pid = self.0;
-        std::mem::forget(self);
-        send_signal(pid, "CONT")
-    }
-}
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        let _ = send_signal(self.0, "CONT");
-    }
-}
 
 /// The first line of `log` that reports the command's error.
 fn error_line(log: &Path) -> String {

@@ -8,8 +8,6 @@
 //! folder that holds only an empty `REPLAYGUARD.tmp`; killing fresh starts
 //! 40 to 75 ms in, 6 of 150 kills left exactly that.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,7 +15,7 @@ use std::thread;
 use std::time::Duration;
 
 use rand::Rng;
-use support::{
+use replayguard_testkit::{
     MockBroker, PyClient, TestResult, check_each_once, integers, produce_integers, read_topic,
     run_bounded, wait_bounded,
 };

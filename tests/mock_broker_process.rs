@@ -2,14 +2,12 @@
 //! SIGKILL and serves that client's acked data to an independent reader
 //! (confluent-kafka), and it goes away with the test that started it.
 
-mod support;
-
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
-use support::{
+use replayguard_testkit::{
     MockBroker, PyClient, TestProducer, TestResult, check_each_once, check_increasing, integers,
     lines_of, process_alive, produce_integers, read_topic, wait_bounded,
 };

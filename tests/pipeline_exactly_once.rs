@@ -2,8 +2,6 @@
 //! "crashes" (its task is dropped with no checkpoint) and restarts still
 //! writes every input exactly once; the at-least-once baseline does not.
 
-mod inproc;
-
 use std::convert::Infallible;
 use std::path::Path;
 use std::sync::Arc;
@@ -12,8 +10,8 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
-use inproc::{Broker, TestResult, dups_and_missing};
 use replayguard::kafka::{GuardedPipeline, Mode, OutputRecord};
+use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missing};
 
 /// Runs one pipeline incarnation. With `crash_after`, drops it with no
 /// checkpoint once that many inputs were processed; otherwise runs to the

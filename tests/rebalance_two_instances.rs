@@ -2,16 +2,14 @@
 //! partitions move when the second joins and again when the first crashes,
 //! and every input still appears exactly once in the output.
 
-mod inproc;
-
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use inproc::{Broker, TestResult, dups_and_missing};
 use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missing};
 
 const N: u64 = 3000;
 
@@ -40,7 +38,7 @@ fn copy(seen: Arc<AtomicU64>) -> impl FnMut(rdkafka::message::OwnedMessage) -> C
 fn output_len(broker: &Broker) -> TestResult<i64> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let c: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &broker.bootstrap)
+        .set("bootstrap.servers", broker.bootstrap())
         .create()?;
     let mut n = 0;
     for p in 0..3 {
@@ -102,7 +100,7 @@ async fn partitions_moving_between_instances_keep_output_exactly_once() -> TestR
     let _ = stop_tx.send(());
     let (b, r) = task_b.await?;
     r?;
-    inproc::drop_off_runtime(b);
+    replayguard_testkit::drop_off_runtime(b);
 
     let out = broker.values("out", 3)?;
     let (dups, missing) = dups_and_missing(&out, 1..=N);

@@ -3,14 +3,12 @@
 //! acks an output. Without output reconciliation the restart writes that
 //! output again; with it, it does not.
 
-mod inproc;
-
 use std::convert::Infallible;
 use std::path::Path;
 use std::time::Duration;
 
-use inproc::{Broker, TestResult, dups_and_missing};
 use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missing};
 
 async fn run(
     broker: &Broker,

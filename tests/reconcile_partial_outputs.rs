@@ -2,14 +2,12 @@
 //! output: reconciliation must not count it as handled, and its replay must
 //! write only the outputs that are missing.
 
-mod inproc;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use inproc::{Broker, TestResult};
 use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard_testkit::{InProcessBroker as Broker, TestResult};
 
 /// Three outputs per input: "v-a", "v-b", "v-c".
 async fn run(broker: &Broker, state: &Path) -> TestResult<replayguard::Result<()>> {

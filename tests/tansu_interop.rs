@@ -6,15 +6,13 @@
 //! Each test starts its own broker on a free 127.0.0.1 port. Without Tansu
 //! installed these tests fail and say how to get it (`scripts/test` builds it).
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
-use support::{
+use replayguard_testkit::{
     NewRecord, PyClient, ReadOptions, Record, TansuBroker, TestResult, check_each_once,
     drop_bounded, integers, produce, produce_integers, read_topic, read_topic_with,
 };
@@ -167,7 +165,8 @@ fn group_commits_are_seen_by_every_client() -> TestResult {
 
     let expected: BTreeMap<i32, Option<i64>> = (0..2).map(|p| (p, next.get(&p).copied())).collect();
     for client in PyClient::BOTH {
-        let seen = support::committed_offsets(&bootstrap, "grouped", "interop-group", client)?;
+        let seen =
+            replayguard_testkit::committed_offsets(&bootstrap, "grouped", "interop-group", client)?;
         assert_eq!(seen, expected, "{client:?} sees the group's commits");
     }
 

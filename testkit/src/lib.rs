@@ -1,0 +1,90 @@
+//! replayguard's test kit: one home for what its tests, benches and
+//! examples need around a broker. Not part of the library, never published.
+//!
+//! Every broker a test starts is its own: a fresh process (or thread) on
+//! free `127.0.0.1` ports, stopped when its handle is dropped, so tests
+//! need no global broker and can run in parallel.
+//!
+//! - [`KafkaBroker`]: Apache Kafka 4, one KRaft node, in its own JVM. The
+//!   broker of truth: crash tests, transactions, restarts. Its jars come
+//!   from `scripts/kafka/fetch` (which `scripts/test` runs).
+//! - [`MockBroker`]: librdkafka's mock cluster in its own process (the
+//!   `replayguard-mock-broker` binary); it outlives any client a test
+//!   kills. [`InProcessBroker`]: the same mock on a thread of this process,
+//!   for fast tests and the benches.
+//! - [`TansuBroker`]: Tansu with sqlite storage, for interoperability.
+//! - [`TestProducer`], [`produce`] and [`produce_integers`]: an idempotent
+//!   producer that counts and waits for acks.
+//! - [`read_topic`], [`read_topic_with`] and [`committed_offsets`]: read
+//!   back through `scripts/kafka_read.py` with confluent-kafka or
+//!   kafka-python, clients that share no code with ours; and
+//!   [`KafkaBroker::console_read`], Kafka's own console consumer.
+//! - [`integers`], [`check_each_once`], [`check_increasing`] and
+//!   [`dups_and_missing`]: exactly-once checks.
+//! - [`process`]: bounded runs, waits and drops, and signals.
+//!
+//! Every call that waits has a bound and fails with a message when it runs
+//! out; nothing here waits forever.
+
+#![deny(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod check;
+pub mod kafka;
+pub mod mock;
+pub mod process;
+pub mod produce;
+pub mod read;
+pub mod tansu;
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::Path;
+use std::time::Duration;
+
+pub use check::{base64_decode, check_each_once, check_increasing, dups_and_missing, integers};
+pub use kafka::{KafkaBroker, KafkaOptions};
+pub use mock::{InProcessBroker, MockBroker};
+pub use process::{
+    Frozen, drop_bounded, drop_off_runtime, lines_of, process_alive, run_bounded, send_signal,
+    wait_bounded,
+};
+pub use produce::{NewRecord, TestProducer, end_offsets, produce, produce_integers};
+pub use read::{
+    PyClient, ReadOptions, ReadRecord, Record, Until, committed_offsets, produce_values, python,
+    read_all, read_topic, read_topic_with,
+};
+pub use tansu::TansuBroker;
+
+/// The error type of every helper and test: anything, with a message.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// `Result` for tests and helpers.
+pub type TestResult<T = ()> = Result<T, Error>;
+
+/// How long a broker may take to start and answer.
+pub(crate) const START_LIMIT: Duration = Duration::from_secs(60);
+
+/// How long one admin command (a topic creation) may take.
+pub(crate) const COMMAND_LIMIT: Duration = Duration::from_secs(60);
+
+/// The repository root (where the main `Cargo.toml` and `scripts/` are).
+pub fn repo_root() -> &'static Path {
+    let kit = Path::new(env!("CARGO_MANIFEST_DIR"));
+    kit.parent().unwrap_or(kit)
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+///
+/// # Errors
+/// When no port can be bound.
+pub fn free_port() -> TestResult<u16> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A bootstrap address's client configuration, the base of every client
+/// the kit makes.
+pub fn client_config(bootstrap: &str) -> rdkafka::ClientConfig {
+    let mut c = rdkafka::ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap);
+    c
+}
