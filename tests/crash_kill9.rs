@@ -1,9 +1,12 @@
 //! Crash tests for G1 and G3: the `replayguard` command, a real process, is
 //! killed with SIGKILL at random moments while input keeps arriving, and
 //! restarted over the same state folder. The broker is another process
-//! (librdkafka's mock cluster, or Tansu) that outlives every kill, and the
-//! output is read back with confluent-kafka, a client that is not ours.
+//! that outlives every kill: Apache Kafka (the broker of truth), librdkafka's
+//! mock cluster, or Tansu. The output is read back with confluent-kafka, a
+//! client that is not ours, and on Kafka also with kafka-python and Kafka's
+//! own console consumer, which must read the same.
 //!
+//! On Kafka and on the mock:
 //! - `pipe`, 1 partition: every integer exactly once and in order, after
 //!   20 kills during start-up, catch-up and at the tail.
 //! - `pipe`, 3 partitions, two instances in one group with their own state
@@ -20,9 +23,17 @@
 //! - The broker frozen with SIGSTOP for longer than the request and flush
 //!   timeouts: `pipe` waits, or fails with an error line (and is
 //!   restarted), and the output is still exactly once.
-//! - The seed scenario on Tansu. Two variants are ignored: Tansu 0.6's group
-//!   coordinator, not the guard, stalls them (the evidence is in their
-//!   `ignore` reasons); the third gives each run a new group.
+//!
+//! On Kafka only:
+//! - `--mode transactional` killed 12 times: every integer once and in
+//!   order for `read_committed` readers, on a real transaction coordinator.
+//! - The broker killed with SIGKILL and restarted on its log, down for 5 to
+//!   40 s: `pipe` waits or fails with an error line, and the output is
+//!   still exactly once and in order.
+//!
+//! On Tansu: the seed scenario. Two variants are ignored: Tansu 0.6's group
+//! coordinator, not the guard, stalls them (the evidence is in their
+//! `ignore` reasons); the third gives each run a new group.
 //!
 //! Every test draws its kill plan from a seeded RNG and prints the seed;
 //! `CRASH_SEED=<seed>` replays the same plan (the processes' timing still
@@ -48,8 +59,9 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use replayguard_testkit::{
-    Frozen, MockBroker, PyClient, Record, TansuBroker, TestProducer, TestResult, check_each_once,
-    check_increasing, integers, lines_of, produce_integers, read_topic, wait_bounded,
+    Broker, Frozen, KafkaBroker, MockBroker, PyClient, ReadOptions, Record, TansuBroker,
+    TestProducer, TestResult, check_each_once, check_increasing, integers, lines_of,
+    produce_integers, read_topic, read_topic_with, wait_bounded,
 };
 
 /// How long a final `--stop-at-end` run may take (group join, recovery,
@@ -242,7 +254,7 @@ impl Feeder {
                 n += 1;
                 producer.send_integer(n)?;
             }
-            producer.flush(Duration::from_secs(60))?;
+            producer.flush(Duration::from_secs(180))?;
             Ok(n)
         });
         Ok(Self {
@@ -475,6 +487,8 @@ struct PipeRuns<'a> {
     /// output is this far behind (a broker that lets a member rejoin at
     /// once leaves no backlog otherwise).
     backlog: i64,
+    /// `--mode` of every run.
+    mode: &'a str,
 }
 
 impl PipeRuns<'_> {
@@ -491,7 +505,7 @@ impl PipeRuns<'_> {
                 self.bootstrap,
                 &group,
                 self.state,
-                "guarded",
+                self.mode,
                 &[args, self.extra].concat(),
             )
             .stdout(Stdio::null()),
@@ -591,6 +605,12 @@ struct Scenario<'a> {
     /// answers fetches in large bursts after a wait (Tansu) often copies a
     /// whole backlog between two looks at the watermarks.
     catch_up_seen: bool,
+    /// `--mode` of every run: `guarded`, or `transactional`, whose output
+    /// is read with `read_committed`.
+    mode: &'a str,
+    /// On Apache Kafka, the output is also read by kafka-python and by
+    /// Kafka's own console consumer, which must read the same.
+    kafka: Option<&'a KafkaBroker>,
 }
 
 /// The seed scenario on any broker: kills of `pipe` while integers arrive,
@@ -610,6 +630,7 @@ fn seed_scenario(bootstrap: &str, sc: &Scenario<'_>) -> TestResult {
             extra: sc.extra,
             fresh_group: sc.fresh_group,
             backlog: sc.backlog,
+            mode: sc.mode,
         };
         let plans = kill_plans(&mut rng, kills);
         let feeder = Feeder::start(bootstrap, "in", FEED_RATE)?;
@@ -617,9 +638,41 @@ fn seed_scenario(bootstrap: &str, sc: &Scenario<'_>) -> TestResult {
         let n = feeder.finish()?;
         let last = runs.spawn("final", &["--stop-at-end"])?;
         last.succeed(FINAL_LIMIT)?;
-        let values = integers(&read_output(bootstrap, &ends)?)?;
+        let committed = sc.mode == "transactional";
+        ends.check_nothing_dropped("in")?;
+        ends.check_nothing_dropped("out")?;
+        let read = |client| {
+            read_topic_with(
+                bootstrap,
+                "out",
+                &ReadOptions {
+                    client,
+                    read_committed: committed,
+                    ..ReadOptions::default()
+                },
+            )
+        };
+        let values = integers(&read(PyClient::Confluent)?)?;
         check_each_once(&values, 1..=n)?;
         check_increasing(&values)?;
+        if let Some(kafka) = sc.kafka {
+            let by_python = integers(&read(PyClient::KafkaPython)?)?;
+            let by_console: Vec<u64> = kafka
+                .console_read("out", committed, Some(n), Duration::from_secs(15))?
+                .into_iter()
+                .map(|(_, v)| v.parse::<u64>())
+                .collect::<Result<_, _>>()?;
+            if by_python != values || by_console != values {
+                return Err(format!(
+                    "the clients disagree: confluent-kafka read {}, kafka-python {}, the \
+                     console consumer {} values",
+                    values.len(),
+                    by_python.len(),
+                    by_console.len()
+                )
+                .into());
+            }
+        }
         println!(
             "{test}: {} kills ({landed:?}), {n} integers each once and in order, {:?}",
             landed.total(),
@@ -647,7 +700,7 @@ fn seed_scenario(bootstrap: &str, sc: &Scenario<'_>) -> TestResult {
 fn pipe_killed_20_times_while_input_arrives_copies_each_integer_once_in_order() -> TestResult {
     let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
     seed_scenario(
-        broker.bootstrap(),
+        &broker.servers(),
         &Scenario {
             name: "seed scenario, mock broker",
             kills: 20,
@@ -655,6 +708,8 @@ fn pipe_killed_20_times_while_input_arrives_copies_each_integer_once_in_order() 
             fresh_group: false,
             backlog: 0,
             catch_up_seen: true,
+            mode: "guarded",
+            kafka: None,
         },
     )
 }
@@ -665,11 +720,9 @@ fn pipe_killed_20_times_while_input_arrives_copies_each_integer_once_in_order() 
 /// Kills of one of the two instances, in the loop.
 const PAIR_KILLS: usize = 12;
 
-#[test]
-fn two_pipes_in_one_group_killed_independently_copy_each_integer_once() -> TestResult {
-    let broker = MockBroker::start(&[("in", 3), ("out", 3)])?;
-    let (seed, mut rng) = seeded("two instances, 3 partitions");
-    let bootstrap = broker.bootstrap();
+fn two_pipes_killed_independently(broker: &dyn Broker) -> TestResult {
+    let (seed, mut rng) = seeded(&format!("two instances, 3 partitions, {}", broker.kind()));
+    let bootstrap = &broker.servers();
     let started = Instant::now();
     let logs = tempfile::Builder::new().prefix("crash-logs-").tempdir()?;
     let result = (|| -> TestResult {
@@ -793,12 +846,10 @@ fn two_pipes_in_one_group_killed_independently_copy_each_integer_once() -> TestR
 // ---------------------------------------------------------------------------
 // The control: at-least-once under the same kills
 
-#[test]
-fn control_at_least_once_pipe_killed_5_times_writes_duplicates() -> TestResult {
+fn control_at_least_once(broker: &dyn Broker) -> TestResult {
     const KILLS: usize = 5;
-    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
-    let (seed, mut rng) = seeded("control, at-least-once");
-    let bootstrap = broker.bootstrap();
+    let (seed, mut rng) = seeded(&format!("control, at-least-once, {}", broker.kind()));
+    let bootstrap = &broker.servers();
     let started = Instant::now();
     let logs = tempfile::Builder::new().prefix("crash-logs-").tempdir()?;
     let result = (|| -> TestResult {
@@ -920,12 +971,10 @@ fn join_runs(runs: &[Printed]) -> (Vec<u64>, Vec<(usize, u64)>) {
     (joined, repeats)
 }
 
-#[test]
-fn consume_killed_mid_read_prints_each_value_once_but_the_record_at_a_kill() -> TestResult {
+fn consume_killed_mid_read(broker: &dyn Broker) -> TestResult {
     const KILLS: usize = 6;
-    let broker = MockBroker::start(&[("events", 1)])?;
-    let (seed, mut rng) = seeded("consume over resends");
-    let bootstrap = broker.bootstrap();
+    let (seed, mut rng) = seeded(&format!("consume over resends, {}", broker.kind()));
+    let bootstrap = &broker.servers();
     let started = Instant::now();
     let logs = tempfile::Builder::new().prefix("crash-logs-").tempdir()?;
     let result = (|| -> TestResult {
@@ -1063,11 +1112,9 @@ fn error_line(log: &Path) -> String {
         .to_owned()
 }
 
-#[test]
-fn pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> TestResult {
-    let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
-    let (seed, mut rng) = seeded("broker frozen with SIGSTOP");
-    let bootstrap = broker.bootstrap();
+fn pipe_through_a_frozen_broker(broker: &dyn Broker) -> TestResult {
+    let (seed, mut rng) = seeded(&format!("broker frozen with SIGSTOP, {}", broker.kind()));
+    let bootstrap = &broker.servers();
     let started = Instant::now();
     let logs = tempfile::Builder::new().prefix("crash-logs-").tempdir()?;
     let result = (|| -> TestResult {
@@ -1115,7 +1162,7 @@ fn pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> 
                 ends.wait_out(out_before + 1, Duration::ZERO, &mut p)?;
             }
             // While frozen nothing may ask the broker anything: it would hang.
-            let frozen = Frozen::freeze(broker.pid())?;
+            let frozen = Frozen::freeze(broker.broker_pid().ok_or("the broker has no process")?)?;
             let mut killed = false;
             if kill {
                 thread::sleep(Duration::from_millis(rng.random_range(500..5_000)));
@@ -1226,7 +1273,7 @@ fn pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> 
 fn pipe_killed_while_input_arrives_on_tansu_copies_each_integer_once_in_order() -> TestResult {
     let broker = TansuBroker::start(&[("in", 1), ("out", 1)])?;
     seed_scenario(
-        &broker.bootstrap(),
+        &broker.servers(),
         &Scenario {
             name: "seed scenario, Tansu",
             kills: 10,
@@ -1234,6 +1281,8 @@ fn pipe_killed_while_input_arrives_on_tansu_copies_each_integer_once_in_order() 
             fresh_group: false,
             backlog: 0,
             catch_up_seen: false,
+            mode: "guarded",
+            kafka: None,
         },
     )
 }
@@ -1250,7 +1299,7 @@ fn pipe_killed_while_input_arrives_on_tansu_as_a_dynamic_member_copies_each_inte
     let broker = TansuBroker::start(&[("in", 1), ("out", 1)])?;
     // An empty group.instance.id makes the member dynamic.
     seed_scenario(
-        &broker.bootstrap(),
+        &broker.servers(),
         &Scenario {
             name: "seed scenario, Tansu, dynamic membership",
             kills: 10,
@@ -1258,6 +1307,8 @@ fn pipe_killed_while_input_arrives_on_tansu_as_a_dynamic_member_copies_each_inte
             fresh_group: false,
             backlog: 0,
             catch_up_seen: false,
+            mode: "guarded",
+            kafka: None,
         },
     )
 }
@@ -1269,7 +1320,7 @@ fn pipe_killed_while_input_arrives_on_tansu_resumes_from_its_state_in_a_new_grou
     // keep, and the group has no committed offset, so each run resumes from
     // its state folder alone (DESIGN: the manifest is the truth).
     seed_scenario(
-        &broker.bootstrap(),
+        &broker.servers(),
         &Scenario {
             name: "seed scenario, Tansu, a new group per run",
             kills: 12,
@@ -1277,6 +1328,220 @@ fn pipe_killed_while_input_arrives_on_tansu_resumes_from_its_state_in_a_new_grou
             fresh_group: true,
             backlog: 1_000,
             catch_up_seen: false,
+            mode: "guarded",
+            kafka: None,
         },
     )
+}
+
+// ---------------------------------------------------------------------------
+// The suites on each broker: librdkafka's mock cluster in its own process,
+// and Apache Kafka, the broker of truth.
+
+#[test]
+fn on_kafka_pipe_killed_20_times_while_input_arrives_copies_each_integer_once_in_order()
+-> TestResult {
+    let broker = KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    seed_scenario(
+        &broker.servers(),
+        &Scenario {
+            name: "seed scenario, kafka",
+            kills: 20,
+            extra: &[],
+            fresh_group: false,
+            // A static member rejoins at once: without a backlog there is
+            // no catch-up to kill in.
+            backlog: 300,
+            catch_up_seen: true,
+            mode: "guarded",
+            kafka: Some(&broker),
+        },
+    )
+}
+
+#[test]
+fn on_kafka_transactional_pipe_killed_12_times_copies_each_integer_once_for_read_committed()
+-> TestResult {
+    let broker = KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    // The mock ignores read_committed; here the transaction coordinator is
+    // real: each restart fences its killed predecessor's transactional id
+    // and aborts its open transaction.
+    seed_scenario(
+        &broker.servers(),
+        &Scenario {
+            name: "seed scenario, transactional, kafka",
+            kills: 12,
+            extra: &[],
+            fresh_group: false,
+            backlog: 300,
+            catch_up_seen: false,
+            mode: "transactional",
+            kafka: Some(&broker),
+        },
+    )
+}
+
+#[test]
+fn two_pipes_in_one_group_killed_independently_copy_each_integer_once() -> TestResult {
+    two_pipes_killed_independently(&MockBroker::start(&[("in", 3), ("out", 3)])?)
+}
+
+#[test]
+fn on_kafka_two_pipes_in_one_group_killed_independently_copy_each_integer_once() -> TestResult {
+    two_pipes_killed_independently(&KafkaBroker::start(&[("in", 3), ("out", 3)])?)
+}
+
+#[test]
+fn control_at_least_once_pipe_killed_5_times_writes_duplicates() -> TestResult {
+    control_at_least_once(&MockBroker::start(&[("in", 1), ("out", 1)])?)
+}
+
+#[test]
+fn on_kafka_control_at_least_once_pipe_killed_5_times_writes_duplicates() -> TestResult {
+    control_at_least_once(&KafkaBroker::start(&[("in", 1), ("out", 1)])?)
+}
+
+#[test]
+fn consume_killed_mid_read_prints_each_value_once_but_the_record_at_a_kill() -> TestResult {
+    consume_killed_mid_read(&MockBroker::start(&[("events", 1)])?)
+}
+
+#[test]
+fn on_kafka_consume_killed_mid_read_prints_each_value_once_but_the_record_at_a_kill() -> TestResult
+{
+    consume_killed_mid_read(&KafkaBroker::start(&[("events", 1)])?)
+}
+
+#[test]
+fn pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> TestResult {
+    pipe_through_a_frozen_broker(&MockBroker::start(&[("in", 1), ("out", 1)])?)
+}
+
+#[test]
+fn on_kafka_pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> TestResult
+{
+    pipe_through_a_frozen_broker(&KafkaBroker::start(&[("in", 1), ("out", 1)])?)
+}
+
+#[test]
+fn on_kafka_pipe_through_a_broker_killed_and_restarted_copies_each_integer_once() -> TestResult {
+    let mut broker = KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    let (seed, mut rng) = seeded("broker killed with SIGKILL and restarted, kafka");
+    let bootstrap = &broker.servers();
+    let started = Instant::now();
+    let logs = tempfile::Builder::new().prefix("crash-logs-").tempdir()?;
+    let result = (|| -> TestResult {
+        let state = tempfile::tempdir()?;
+        let mut runs = 0;
+        let mut spawn = || -> TestResult<Proc> {
+            runs += 1;
+            Proc::spawn(
+                format!("pipe run {runs}"),
+                pipe(bootstrap, "restarted", state.path(), "guarded", &[]).stdout(Stdio::null()),
+                logs.path().join(format!("pipe-{runs}.log")),
+            )
+        };
+        // (seconds down, when). 40 s is past the pipeline's 30 s flush
+        // timeout: it may stop with an error, and is then started again.
+        let mut episodes = [(5u64, "tail"), (40, "tail"), (10, "catch-up")];
+        episodes.shuffle(&mut rng);
+        let feeder = Feeder::start(bootstrap, "in", FEED_RATE)?;
+        let mut p = spawn()?;
+        let mut outcomes = Vec::new();
+        for (secs, when) in episodes {
+            {
+                // A metadata client of its own per episode: one that lived
+                // through a broker restart only slows the next look down.
+                let ends = Ends::new(bootstrap, &[("in", 1), ("out", 1)])?;
+                if when == "tail" {
+                    ends.wait_for(
+                        "tail before the kill",
+                        FIRST_OUTPUT_LIMIT,
+                        &mut [&mut p],
+                        |i, o| o > 0 && i - o < CATCH_UP_LAG / 5,
+                    )?;
+                } else {
+                    p.kill9()?;
+                    let out_before = ends.total("out")?;
+                    thread::sleep(Duration::from_secs(3));
+                    p = spawn()?;
+                    ends.wait_out(out_before + 1, Duration::ZERO, &mut p)?;
+                }
+            }
+            broker.kill()?;
+            thread::sleep(Duration::from_secs(secs));
+            broker.restart()?;
+            let outcome = match p.exited()? {
+                Some(status) => {
+                    let line = error_line(&p.log);
+                    if status.code() != Some(1) || line.is_empty() {
+                        return Err(format!(
+                            "with the broker down {secs} s the pipe exited with {status} and \
+                             no error line; stderr:\n{}",
+                            p.log_tail()
+                        )
+                        .into());
+                    }
+                    p = spawn()?;
+                    format!("exited 1: {line}")
+                }
+                None => "waited".to_owned(),
+            };
+            let ends = Ends::new(bootstrap, &[("in", 1), ("out", 1)])?;
+            let caught_up = ends.wait_for(
+                "tail after the restart",
+                Duration::from_secs(90),
+                &mut [&mut p],
+                |i, o| i - o < CATCH_UP_LAG / 5,
+            );
+            let outcome = match caught_up {
+                Ok(_) => outcome,
+                // The pipe may meet the restart's aftermath only later.
+                Err(e) if p.exited()?.is_some() => {
+                    let again = format!("{outcome}; then {}", error_line(&p.log));
+                    println!("after the restart: {e}");
+                    p = spawn()?;
+                    ends.wait_for(
+                        "tail after a second start",
+                        Duration::from_secs(90),
+                        &mut [&mut p],
+                        |i, o| i - o < CATCH_UP_LAG / 5,
+                    )?;
+                    again
+                }
+                Err(e) => return Err(e),
+            };
+            let outcome = format!(
+                "broker down {secs} s at the {when} (up again after {:?}): {outcome}",
+                broker.last_start
+            );
+            println!("{outcome}");
+            outcomes.push(outcome);
+        }
+        p.kill9()?;
+        let n = feeder.finish()?;
+        Proc::spawn(
+            "final pipe --stop-at-end".into(),
+            pipe(
+                bootstrap,
+                "restarted",
+                state.path(),
+                "guarded",
+                &["--stop-at-end"],
+            )
+            .stdout(Stdio::null()),
+            logs.path().join("pipe-final.log"),
+        )?
+        .succeed(FINAL_LIMIT)?;
+        let ends = Ends::new(bootstrap, &[("in", 1), ("out", 1)])?;
+        let values = integers(&read_output(bootstrap, &ends)?)?;
+        check_each_once(&values, 1..=n)?;
+        check_increasing(&values)?;
+        println!(
+            "broker killed: {outcomes:?}; {n} integers each once and in order, {:?}",
+            started.elapsed()
+        );
+        Ok(())
+    })();
+    outcome(result, seed, logs)
 }

@@ -88,3 +88,49 @@ pub fn client_config(bootstrap: &str) -> rdkafka::ClientConfig {
     c.set("bootstrap.servers", bootstrap);
     c
 }
+
+/// What a test needs of a running broker, whichever it is.
+pub trait Broker {
+    /// The bootstrap list.
+    fn servers(&self) -> String;
+    /// The broker process's pid, when it runs in a process of its own.
+    fn broker_pid(&self) -> Option<u32>;
+    /// A short name for messages: `mock`, `kafka`, `tansu`.
+    fn kind(&self) -> &'static str;
+}
+
+impl Broker for MockBroker {
+    fn servers(&self) -> String {
+        self.bootstrap().to_owned()
+    }
+    fn broker_pid(&self) -> Option<u32> {
+        Some(self.pid())
+    }
+    fn kind(&self) -> &'static str {
+        "mock"
+    }
+}
+
+impl Broker for KafkaBroker {
+    fn servers(&self) -> String {
+        self.bootstrap()
+    }
+    fn broker_pid(&self) -> Option<u32> {
+        self.pid()
+    }
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+}
+
+impl Broker for TansuBroker {
+    fn servers(&self) -> String {
+        self.bootstrap()
+    }
+    fn broker_pid(&self) -> Option<u32> {
+        self.pid()
+    }
+    fn kind(&self) -> &'static str {
+        "tansu"
+    }
+}

@@ -69,7 +69,8 @@ impl TestProducer {
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "5")
-            .set("message.timeout.ms", "60000")
+            // Long enough to outlive a broker killed and restarted by a test.
+            .set("message.timeout.ms", "180000")
             .create_with_context(Acks {
                 acked: AtomicU64::new(0),
                 failures: Mutex::new(Vec::new()),
