@@ -133,8 +133,11 @@ fn pipe(bootstrap: &str, group: &str, state: &Path, mode: &str, extra: &[&str]) 
         .args(["--input", "in", "--output", "out", "--mode", mode])
         .arg("--state")
         .arg(state)
-        .args(["-X", "session.timeout.ms=6000"])
         .args(extra);
+    // The new group protocol keeps the session timeout on the broker.
+    if !extra.contains(&"group.protocol=consumer") {
+        c.args(["-X", "session.timeout.ms=6000"]);
+    }
     c
 }
 
@@ -1376,6 +1379,30 @@ fn on_kafka_transactional_pipe_killed_12_times_copies_each_integer_once_for_read
             backlog: 300,
             catch_up_seen: false,
             mode: "transactional",
+            kafka: Some(&broker),
+        },
+    )
+}
+
+#[test]
+fn on_kafka_pipe_with_the_new_group_protocol_killed_6_times_copies_each_integer_once() -> TestResult
+{
+    // KIP-848 (`group.protocol=consumer`): the member is dynamic (a killed
+    // static member's id stays taken until the broker's session timeout,
+    // and librdkafka treats the rejoin as fatal), so each restart gets its
+    // partition once the broker has expired the killed member: 10 s in the
+    // test broker's `group.consumer.session.timeout.ms`.
+    let broker = KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    seed_scenario(
+        &broker.servers(),
+        &Scenario {
+            name: "seed scenario, group.protocol=consumer, kafka",
+            kills: 6,
+            extra: &["-X", "group.protocol=consumer"],
+            fresh_group: false,
+            backlog: 300,
+            catch_up_seen: false,
+            mode: "guarded",
             kafka: Some(&broker),
         },
     )

@@ -68,19 +68,35 @@ pub(crate) fn guarded_consumer_config(user: &ClientConfig, instance: &str) -> Re
     cfg.set("enable.auto.commit", "false");
     cfg.set("enable.auto.offset.store", "false");
     cfg.set("enable.partition.eof", "true");
-    if cfg.get("group.instance.id").is_none() {
+    // Static membership lets a restarted classic member take its
+    // partitions back at once. Under KIP-848 a member killed without
+    // leaving keeps its instance id until the broker's session timeout, and
+    // librdkafka treats the restarted member's rejoin as fatal; a dynamic
+    // member instead waits for that timeout and then gets the partitions.
+    if cfg.get("group.instance.id").is_none() && !uses_consumer_protocol(&cfg) {
         cfg.set("group.instance.id", instance);
     }
-    if cfg.get("partition.assignment.strategy").is_none() {
-        cfg.set("partition.assignment.strategy", "cooperative-sticky");
-    }
-    if cfg.get("session.timeout.ms").is_none() {
-        cfg.set("session.timeout.ms", "6000");
+    // The new group protocol (KIP-848) assigns on the broker, which also
+    // owns the session timeout: librdkafka refuses both settings with it.
+    if !uses_consumer_protocol(&cfg) {
+        if cfg.get("partition.assignment.strategy").is_none() {
+            cfg.set("partition.assignment.strategy", "cooperative-sticky");
+        }
+        if cfg.get("session.timeout.ms").is_none() {
+            cfg.set("session.timeout.ms", "6000");
+        }
     }
     if cfg.get("auto.offset.reset").is_none() {
         cfg.set("auto.offset.reset", "earliest");
     }
     Ok(cfg)
+}
+
+/// Whether a configuration uses the broker-side group protocol of KIP-848
+/// (`group.protocol=consumer`) rather than the classic one.
+pub(crate) fn uses_consumer_protocol(cfg: &ClientConfig) -> bool {
+    cfg.get("group.protocol")
+        .is_some_and(|p| p.eq_ignore_ascii_case("consumer"))
 }
 
 /// Refuses a producer configuration that cannot give exactly-once output.
