@@ -110,6 +110,21 @@ pub enum Error {
         brokers: String,
     },
 
+    /// The brokers answered, but the connection cannot work: the
+    /// credentials or the TLS settings are refused. Retrying would not help.
+    #[error("connecting to {brokers} failed: {reason}; {hint}")]
+    Connect {
+        /// The bootstrap servers.
+        brokers: String,
+        /// What librdkafka said.
+        reason: String,
+        /// The client error.
+        #[source]
+        source: Box<rdkafka::error::KafkaError>,
+        /// What to do about it.
+        hint: &'static str,
+    },
+
     /// No broker answered within the retry budget.
     #[error(
         "no broker reachable at {brokers} after {attempts} attempts ({last}); check --brokers and that the broker is up"
@@ -121,6 +136,20 @@ pub enum Error {
         attempts: u32,
         /// The last error.
         last: String,
+    },
+
+    /// The consumer met an error that does not heal by itself: a record
+    /// this build cannot decode, a missing permission, a topic that is gone.
+    #[error("reading {location} failed: {source}; {hint}")]
+    Consume {
+        /// Where: the topic, partition and offset (or the candidates, when
+        /// librdkafka does not say which partition failed).
+        location: String,
+        /// The client error.
+        #[source]
+        source: Box<rdkafka::error::KafkaError>,
+        /// What to do about it.
+        hint: &'static str,
     },
 
     /// The user's processing function failed.

@@ -149,6 +149,7 @@ impl GuardedConsumerBuilder {
             last_checkpoint: Mutex::new(Instant::now()),
             stop_at_end: self.stop_at_end,
             timeout: self.timeout,
+            transient: Mutex::default(),
         })
     }
 }
@@ -168,6 +169,7 @@ pub struct GuardedConsumer {
     last_checkpoint: Mutex<Instant>,
     stop_at_end: bool,
     timeout: Duration,
+    transient: Mutex<super::trouble::TransientLog>,
 }
 
 impl GuardedConsumer {
@@ -225,9 +227,16 @@ impl GuardedConsumer {
                     }
                     continue;
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "consumer error; librdkafka retries");
+                Err(e) if super::trouble::heals(&e) => {
+                    if let Ok(mut log) = self.transient.lock() {
+                        log.note(&e);
+                    }
                     continue;
+                }
+                Err(e) => {
+                    let e = self.core.consume_failure(&self.consumer, e);
+                    self.core.lock().fail(e.to_string());
+                    return Err(e);
                 }
             };
             let (topic, partition, offset) = (m.topic(), m.partition(), m.offset());

@@ -354,6 +354,65 @@ impl Core {
         Ok(true)
     }
 
+    /// The error that stops the guard for a consumer error that does not
+    /// heal, naming where it happened. librdkafka does not pass the failed
+    /// record's partition through rdkafka, so the location is every
+    /// assigned partition not yet read to its high watermark, with the
+    /// offset it is stuck at.
+    pub fn consume_failure(
+        &self,
+        consumer: &impl Consumer<GuardContext>,
+        e: rdkafka::error::KafkaError,
+    ) -> Error {
+        let mut at = Vec::new();
+        if let Ok(assignment) = consumer.assignment() {
+            let positions = consumer.position().ok();
+            let nexts: Vec<Option<i64>> = {
+                let s = self.lock();
+                assignment
+                    .elements()
+                    .iter()
+                    .map(|el| {
+                        s.tracks
+                            .get(el.topic())
+                            .and_then(|m| m.get(&el.partition()))
+                            .and_then(|t| t.next)
+                    })
+                    .collect()
+            };
+            for (el, next) in assignment.elements().iter().zip(nexts) {
+                let (topic, p) = (el.topic(), el.partition());
+                let next = next.or_else(|| {
+                    positions
+                        .as_ref()
+                        .and_then(|tpl| tpl.find_partition(topic, p))
+                        .and_then(|e| e.offset().to_raw())
+                        .filter(|o| *o >= 0)
+                });
+                let high = consumer
+                    .fetch_watermarks(topic, p, Duration::from_secs(2))
+                    .ok()
+                    .map(|(_, h)| h);
+                if next.zip(high).is_none_or(|(n, h)| n < h) {
+                    at.push(match next {
+                        Some(o) => format!("{topic}[{p}] at offset {o}"),
+                        None => format!("{topic}[{p}]"),
+                    });
+                }
+            }
+        }
+        let location = match at.len() {
+            0 => "the input".to_owned(),
+            1 => at.remove(0),
+            _ => format!("one of {}", at.join(", ")),
+        };
+        Error::Consume {
+            location,
+            hint: super::trouble::hint(&e),
+            source: Box::new(e),
+        }
+    }
+
     pub fn failure(&self) -> Option<String> {
         self.lock().failure.clone()
     }
@@ -549,7 +608,21 @@ pub struct GuardContext {
     pub(crate) core: Arc<Core>,
 }
 
-impl ClientContext for GuardContext {}
+impl ClientContext for GuardContext {
+    /// A client-wide error that means the connection cannot work (refused
+    /// credentials, TLS, an error librdkafka calls fatal) stops the guard;
+    /// any other is logged at debug level, and librdkafka retries it.
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        if super::trouble::global_is_fatal(&error) {
+            let hint = super::trouble::hint(&error);
+            self.core.lock().fail(format!(
+                "the consumer's connection failed: {reason}; {hint}"
+            ));
+        } else {
+            tracing::debug!(error = %error, reason, "kafka client error; librdkafka retries it");
+        }
+    }
+}
 
 impl ConsumerContext for GuardContext {
     fn rebalance(

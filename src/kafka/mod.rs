@@ -40,6 +40,7 @@ mod headers;
 mod pipeline;
 mod reconcile;
 mod setup;
+mod trouble;
 
 pub use consumer::{GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
 pub use context::GuardContext;

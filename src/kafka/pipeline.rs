@@ -132,7 +132,22 @@ pub struct DeliveryContext {
     shared: Arc<Mutex<Shared>>,
 }
 
-impl ClientContext for DeliveryContext {}
+impl ClientContext for DeliveryContext {
+    /// As the consumer's: a connection that cannot work stops the guard.
+    fn error(&self, error: KafkaError, reason: &str) {
+        if super::trouble::global_is_fatal(&error) {
+            let hint = super::trouble::hint(&error);
+            self.shared
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .fail(format!(
+                    "the producer's connection failed: {reason}; {hint}"
+                ));
+        } else {
+            tracing::debug!(error = %error, reason, "kafka client error; librdkafka retries it");
+        }
+    }
+}
 
 impl ProducerContext for DeliveryContext {
     type DeliveryOpaque = Box<Ticket>;
@@ -327,6 +342,7 @@ impl GuardedPipelineBuilder {
         let reconciler = match self.mode {
             Mode::Guarded if self.reconcile => Some(Reconciler::new(
                 &setup::connection_config(&self.consumer),
+                &group,
                 &output,
                 out_partitions,
                 self.flush_timeout,
@@ -535,6 +551,7 @@ impl GuardedPipeline {
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        let mut transient = super::trouble::TransientLog::default();
         loop {
             let msg = tokio::select! {
                 m = self.consumer.recv() => m,
@@ -555,9 +572,14 @@ impl GuardedPipeline {
                     }
                     continue;
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "consumer error; librdkafka retries");
+                Err(e) if super::trouble::heals(&e) => {
+                    transient.note(&e);
                     continue;
+                }
+                Err(e) => {
+                    let e = self.core.consume_failure(&self.consumer, e);
+                    self.core.lock().fail(e.to_string());
+                    return Err(e);
                 }
             };
             let (topic, partition, offset) = (m.topic().to_owned(), m.partition(), m.offset());

@@ -37,13 +37,17 @@ pub(crate) struct Reconciler {
 impl Reconciler {
     pub fn new(
         connection: &ClientConfig,
+        group: &str,
         topic: &str,
         partitions: usize,
         timeout: Duration,
     ) -> Result<Self> {
+        // The pipeline's own group: librdkafka wants one even for a reader
+        // that only assigns, and the pipeline's principal already may use
+        // it. The reader never joins it and commits nothing.
         let reader: BaseConsumer = connection
             .clone()
-            .set("group.id", "replayguard-reconcile")
+            .set("group.id", group)
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "false")
             .set("isolation.level", "read_uncommitted")

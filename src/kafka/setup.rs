@@ -25,9 +25,13 @@ fn is_connection_key(k: &str) -> bool {
 /// A configuration holding only the connection settings of `cfg`.
 pub(crate) fn connection_config(cfg: &ClientConfig) -> ClientConfig {
     let mut out = ClientConfig::new();
-    for (k, v) in cfg.config_map() {
-        if is_connection_key(k) {
-            out.set(k, v);
+    // `config_map` masks secrets (`sasl.password`, `ssl.key.password`, ...),
+    // so it names the keys and `get` gives the values.
+    for k in cfg.config_map().keys() {
+        if is_connection_key(k)
+            && let Some(v) = cfg.get(k)
+        {
+            out.set(*k, v);
         }
     }
     out.set_log_level(cfg.log_level);
@@ -147,6 +151,41 @@ pub(crate) fn instance_id(state: &Path, group: &str) -> Result<String> {
     Ok(format!("replayguard-{group}-{token}"))
 }
 
+/// A client context that keeps the first client-wide error that means the
+/// connection cannot work (refused credentials, TLS), which librdkafka
+/// reports only through its error callback, not through the call that
+/// failed.
+#[derive(Default)]
+pub(crate) struct ProbeContext {
+    refused: std::sync::Mutex<Option<(KafkaError, String)>>,
+}
+
+impl rdkafka::ClientContext for ProbeContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if super::trouble::global_is_fatal(&error)
+            && let Ok(mut r) = self.refused.lock()
+            && r.is_none()
+        {
+            *r = Some((error, reason.to_owned()));
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for ProbeContext {}
+
+impl ProbeContext {
+    /// The refusal seen, as the error to stop with.
+    pub(crate) fn refusal(&self, brokers: String) -> Option<Error> {
+        let (source, reason) = self.refused.lock().ok()?.take()?;
+        Some(Error::Connect {
+            brokers,
+            hint: super::trouble::hint(&source),
+            reason,
+            source: Box::new(source),
+        })
+    }
+}
+
 /// Waits for the brokers to answer and checks that every topic exists, with
 /// bounded retries.
 ///
@@ -156,9 +195,9 @@ pub(crate) fn probe_topics(
     topics: &[&str],
     attempts: u32,
 ) -> Result<Vec<usize>> {
-    let probe: BaseConsumer = connection_config(cfg)
+    let probe: BaseConsumer<ProbeContext> = connection_config(cfg)
         .set("allow.auto.create.topics", "false")
-        .create()
+        .create_with_context(ProbeContext::default())
         .map_err(|e| Error::Kafka {
             operation: "creating a metadata client".into(),
             source: e,
@@ -177,13 +216,27 @@ pub(crate) fn probe_topics(
                         }
                         Some(t)
                             if t.error().is_some_and(|e| {
-                                RDKafkaErrorCode::from(e)
-                                    != RDKafkaErrorCode::UnknownTopicOrPartition
+                                super::trouble::is_transient(RDKafkaErrorCode::from(e))
                             }) =>
                         {
                             last = format!("topic {topic}: {:?}", t.error());
                             retry = true;
                             break;
+                        }
+                        Some(t)
+                            if t.error().is_some_and(|e| {
+                                RDKafkaErrorCode::from(e)
+                                    != RDKafkaErrorCode::UnknownTopicOrPartition
+                            }) =>
+                        {
+                            let source = KafkaError::MetadataFetch(
+                                t.error().map_or(RDKafkaErrorCode::Unknown, Into::into),
+                            );
+                            return Err(Error::Consume {
+                                location: format!("the metadata of topic {topic}"),
+                                hint: super::trouble::hint(&source),
+                                source: Box::new(source),
+                            });
                         }
                         _ => {
                             return Err(Error::UnknownTopic {
@@ -194,6 +247,12 @@ pub(crate) fn probe_topics(
                     }
                 }
                 Err(e) => {
+                    // The client's error events, which carry a refusal's
+                    // reason, reach the context only when served.
+                    while probe.poll(Duration::ZERO).is_some() {}
+                    if let Some(refused) = probe.context().refusal(brokers(cfg)) {
+                        return Err(refused);
+                    }
                     last = describe(&e);
                     retry = true;
                     break;

@@ -60,10 +60,12 @@ pub fn kafka_libs() -> TestResult<PathBuf> {
 /// How a [`KafkaBroker`] is set up.
 #[derive(Debug, Clone, Default)]
 pub struct KafkaOptions {
-    /// The client listener speaks SASL_SSL (SCRAM-SHA-512 and PLAIN) with
-    /// this `(user, password)`, over TLS with a certificate made for the
-    /// run (see [`KafkaBroker::ca_file`]).
-    pub sasl_ssl: Option<(String, String)>,
+    /// When not empty, the client listener speaks SASL_SSL (SCRAM-SHA-512
+    /// and PLAIN) for these `(user, password)`s, over TLS with a
+    /// certificate made for the run (see [`KafkaBroker::ca_file`]). The
+    /// first user is the super user, the one [`KafkaBroker::client_config`]
+    /// logs in as.
+    pub sasl_users: Vec<(String, String)>,
     /// Authorization on: only the super user (the SASL user, or ANONYMOUS
     /// on plaintext) may do anything unless an ACL allows it.
     pub acl: bool,
@@ -116,8 +118,8 @@ impl KafkaBroker {
             if broker.port == broker.controller_port {
                 continue;
             }
-            if let Some((user, _)) = &options.sasl_ssl {
-                broker.make_certificates(user)?;
+            if !options.sasl_users.is_empty() {
+                broker.make_certificates()?;
             }
             match broker.launch() {
                 Ok(()) => {
@@ -150,22 +152,67 @@ impl KafkaBroker {
         c
     }
 
-    /// The librdkafka properties that a client of a SASL_SSL broker needs
-    /// (empty on plaintext).
+    /// The librdkafka properties that a client of a SASL_SSL broker needs,
+    /// logged in as the super user (empty on plaintext).
     pub fn security_properties(&self) -> Vec<(String, String)> {
-        match &self.options.sasl_ssl {
+        match self.options.sasl_users.first() {
             None => Vec::new(),
-            Some((user, pass)) => vec![
-                ("security.protocol".into(), "SASL_SSL".into()),
-                ("sasl.mechanism".into(), "SCRAM-SHA-512".into()),
-                ("sasl.username".into(), user.clone()),
-                ("sasl.password".into(), pass.clone()),
-                (
-                    "ssl.ca.location".into(),
-                    self.ca_file().display().to_string(),
-                ),
-            ],
+            Some((user, pass)) => self.security_properties_as(user, pass),
         }
+    }
+
+    /// The librdkafka properties of a SASL_SSL client logged in as `user`
+    /// with `password` (right or wrong).
+    pub fn security_properties_as(&self, user: &str, password: &str) -> Vec<(String, String)> {
+        vec![
+            ("security.protocol".into(), "SASL_SSL".into()),
+            ("sasl.mechanism".into(), "SCRAM-SHA-512".into()),
+            ("sasl.username".into(), user.to_owned()),
+            ("sasl.password".into(), password.to_owned()),
+            (
+                "ssl.ca.location".into(),
+                self.ca_file().display().to_string(),
+            ),
+        ]
+    }
+
+    /// Runs Kafka's ACL tool (`org.apache.kafka.tools.AclCommand`) as the
+    /// super user with `args`, for example `--add --allow-principal
+    /// User:bob --operation READ --topic t`.
+    ///
+    /// # Errors
+    /// When the tool fails.
+    pub fn acl(&self, args: &[&str]) -> TestResult {
+        let libs = kafka_libs()?;
+        let props = self.dir.path().join("admin-client.properties");
+        std::fs::write(&props, self.java_client_properties())?;
+        let out = run_bounded(
+            Command::new("java")
+                .arg("-Xmx256m")
+                .arg("-cp")
+                .arg(format!("{}/*", libs.display()))
+                .arg(format!(
+                    "-Dlog4j2.configurationFile={}",
+                    repo_root()
+                        .join("scripts/kafka/tools-log4j2.yaml")
+                        .display()
+                ))
+                .arg("org.apache.kafka.tools.AclCommand")
+                .args(["--bootstrap-server", &self.bootstrap()])
+                .arg("--command-config")
+                .arg(&props)
+                .args(args),
+            Duration::from_secs(60),
+        )?;
+        if !out.status.success() {
+            return Err(format!(
+                "AclCommand {args:?} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .into());
+        }
+        Ok(())
     }
 
     /// The CA certificate (PEM) that signed the broker's TLS certificate.
@@ -385,7 +432,7 @@ impl KafkaBroker {
         if let Some(n) = count {
             command.arg("--max-messages").arg(n.to_string());
         }
-        if self.options.sasl_ssl.is_some() {
+        if !self.options.sasl_users.is_empty() {
             let props = self.dir.path().join("console-client.properties");
             std::fs::write(&props, self.java_client_properties())?;
             command.arg("--command-config").arg(props);
@@ -413,7 +460,7 @@ impl KafkaBroker {
 
     /// A Java client's properties for this broker's security settings.
     fn java_client_properties(&self) -> String {
-        match &self.options.sasl_ssl {
+        match self.options.sasl_users.first() {
             None => String::new(),
             Some((user, pass)) => format!(
                 "security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n\
@@ -426,7 +473,7 @@ impl KafkaBroker {
     }
 
     /// A CA and a server certificate for 127.0.0.1, made with openssl.
-    fn make_certificates(&self, _user: &str) -> TestResult {
+    fn make_certificates(&self) -> TestResult {
         let out = run_bounded(
             Command::new(repo_root().join("scripts/kafka/tls-setup")).arg(self.dir.path()),
             Duration::from_secs(120),
@@ -454,8 +501,14 @@ impl KafkaBroker {
             .arg("--controller-port")
             .arg(self.controller_port.to_string())
             .env("KAFKA_LIBS", kafka_libs()?);
-        if let Some((user, pass)) = &self.options.sasl_ssl {
-            command.arg("--sasl-ssl").arg(format!("{user}:{pass}"));
+        if !self.options.sasl_users.is_empty() {
+            let users: Vec<String> = self
+                .options
+                .sasl_users
+                .iter()
+                .map(|(u, p)| format!("{u}:{p}"))
+                .collect();
+            command.arg("--sasl-ssl").arg(users.join(","));
         }
         if self.options.acl {
             command.arg("--acl");

@@ -47,7 +47,9 @@ pub use process::{
     Frozen, drop_bounded, drop_off_runtime, lines_of, process_alive, run_bounded, send_signal,
     wait_bounded,
 };
-pub use produce::{NewRecord, TestProducer, end_offsets, produce, produce_integers};
+pub use produce::{
+    NewRecord, TestProducer, WriteOptions, end_offsets, produce, produce_integers, write_with,
+};
 pub use read::{
     PyClient, ReadOptions, ReadRecord, Record, Until, committed_offsets, produce_values, python,
     read_all, read_topic, read_topic_with,

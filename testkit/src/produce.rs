@@ -238,3 +238,58 @@ pub fn end_offsets(bootstrap: &str, topic: &str) -> TestResult<BTreeMap<i32, i64
     }
     Ok(ends)
 }
+
+/// How [`write_with`] writes: which independent client, which codec, and
+/// any extra client properties (librdkafka names, for confluent-kafka).
+#[derive(Debug, Clone, Default)]
+pub struct WriteOptions {
+    /// confluent-kafka (default) or kafka-python.
+    pub client: crate::PyClient,
+    /// `none` (default when empty), `gzip`, `snappy`, `lz4` or `zstd`.
+    pub compression: String,
+    /// Client properties, `(key, value)`.
+    pub properties: Vec<(String, String)>,
+}
+
+/// Writes the integers `first..first + count` into `topic` with a client
+/// that is not ours (`scripts/kafka_write.py`): key and value are the
+/// decimal text. Waits for every ack.
+///
+/// # Errors
+/// When the client fails or takes more than two minutes.
+pub fn write_with(
+    bootstrap: &str,
+    topic: &str,
+    first: u64,
+    count: u64,
+    options: &WriteOptions,
+) -> TestResult {
+    let mut command = std::process::Command::new(crate::python()?);
+    command
+        .arg(crate::repo_root().join("scripts/kafka_write.py"))
+        .args(["--brokers", bootstrap, "--topic", topic])
+        .args(["--client", options.client.arg()])
+        .arg("--compression")
+        .arg(if options.compression.is_empty() {
+            "none"
+        } else {
+            &options.compression
+        })
+        .arg("--first")
+        .arg(first.to_string())
+        .arg("--count")
+        .arg(count.to_string());
+    for (k, v) in &options.properties {
+        command.arg("--property").arg(format!("{k}={v}"));
+    }
+    let out = crate::run_bounded(&mut command, Duration::from_secs(120))?;
+    if !out.status.success() {
+        return Err(format!(
+            "kafka_write.py failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    Ok(())
+}

@@ -47,7 +47,7 @@ impl PyClient {
     /// Both clients, for tests that check with each.
     pub const BOTH: [PyClient; 2] = [PyClient::Confluent, PyClient::KafkaPython];
 
-    fn arg(self) -> &'static str {
+    pub(crate) fn arg(self) -> &'static str {
         match self {
             PyClient::Confluent => "confluent",
             PyClient::KafkaPython => "kafka-python",

@@ -1,0 +1,209 @@
+//! Which consumer errors heal by themselves, and how both kinds are told.
+//!
+//! librdkafka retries a transient error (a broker restarting, a leader
+//! moving, a coordinator loading) on its own, so the guard keeps going and
+//! says so once per cause. Any other error does not heal: a record this
+//! build cannot decode, a principal without the right ACL, a topic that is
+//! gone. Retrying those loops forever without a word of why, so they stop
+//! the guard with [`Error::Consume`] (G3: nothing is skipped).
+//!
+//! The list of transient codes is an allow-list: an error librdkafka adds
+//! later stops the guard until it is known to heal.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
+
+/// A transient error is logged at its first sighting, then at most once per
+/// this interval with the number of times it was seen meanwhile.
+const REPEAT_LOG: Duration = Duration::from_secs(30);
+
+/// Whether librdkafka recovers from `code` by itself.
+pub(crate) fn is_transient(code: Code) -> bool {
+    matches!(
+        code,
+        Code::BrokerTransportFailure
+            | Code::AllBrokersDown
+            | Code::Resolve
+            | Code::OperationTimedOut
+            | Code::TimedOutQueue
+            | Code::RequestTimedOut
+            | Code::NetworkException
+            | Code::BrokerNotAvailable
+            | Code::ReplicaNotAvailable
+            | Code::LeaderNotAvailable
+            | Code::NotLeaderForPartition
+            | Code::PreferredLeaderNotAvailable
+            | Code::FencedLeaderEpoch
+            | Code::UnknownLeaderEpoch
+            | Code::OffsetNotAvailable
+            | Code::NotCoordinator
+            | Code::CoordinatorNotAvailable
+            | Code::CoordinatorLoadInProgress
+            | Code::WaitingForCoordinator
+            | Code::RebalanceInProgress
+            | Code::NotEnoughReplicas
+            | Code::NotEnoughReplicasAfterAppend
+            | Code::KafkaStorageError
+            | Code::ThrottlingQuotaExceeded
+            | Code::QueueFull
+            | Code::Retry
+            | Code::InProgress
+            | Code::PreviousInProgress
+            | Code::Interrupted
+            | Code::PollExceeded
+            | Code::RebootstrapRequired
+    )
+}
+
+/// Whether a consumer error heals by itself. Fatal errors (librdkafka's
+/// own judgement) never do; an error without a code is not a consumer
+/// error and is taken as one that does not heal.
+pub(crate) fn heals(e: &KafkaError) -> bool {
+    match e {
+        KafkaError::MessageConsumptionFatal(_) => false,
+        other => other.rdkafka_error_code().is_some_and(is_transient),
+    }
+}
+
+/// Whether a client-wide error (librdkafka's error callback) means the
+/// connection cannot work: refused credentials, a TLS failure, or an error
+/// librdkafka itself calls fatal. Every other client-wide error is a
+/// connection trouble that librdkafka retries.
+pub(crate) fn global_is_fatal(e: &KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            Code::Authentication
+                | Code::SaslAuthenticationFailed
+                | Code::UnsupportedSASLMechanism
+                | Code::SSL
+                | Code::Fatal
+        )
+    )
+}
+
+/// What to do about an error that does not heal, for its message.
+pub(crate) fn hint(e: &KafkaError) -> &'static str {
+    match e.rdkafka_error_code() {
+        Some(Code::NotImplemented | Code::UnsupportedFeature) => {
+            "this build of librdkafka cannot read it (a codec or feature it lacks); \
+             the record is not skipped"
+        }
+        Some(
+            Code::BadMessage
+            | Code::BadCompression
+            | Code::InvalidMessage
+            | Code::InvalidRecord
+            | Code::UnsupportedCompressionType
+            | Code::InvalidMessageSize,
+        ) => "the record cannot be decoded; it is not skipped: repair or remove it upstream",
+        Some(Code::TopicAuthorizationFailed) => {
+            "the client's principal may not read the topic: grant it READ and DESCRIBE on it"
+        }
+        Some(Code::GroupAuthorizationFailed) => {
+            "the client's principal may not use the consumer group: grant it READ on the group"
+        }
+        Some(Code::ClusterAuthorizationFailed) => {
+            "the client's principal lacks a cluster permission the consumer needs"
+        }
+        Some(
+            Code::Authentication | Code::SaslAuthenticationFailed | Code::UnsupportedSASLMechanism,
+        ) => {
+            "the brokers refuse the credentials: check security.protocol, sasl.mechanism, \
+             sasl.username and sasl.password"
+        }
+        Some(Code::SSL) => "TLS failed: check ssl.ca.location and the broker's certificate",
+        Some(
+            Code::UnknownTopicOrPartition
+            | Code::UnknownTopic
+            | Code::UnknownPartition
+            | Code::UnknownTopicId,
+        ) => {
+            "the topic or partition is gone (deleted?); a recreated topic starts its offsets \
+             again, so check the state folder's job before restarting"
+        }
+        Some(Code::UnreleasedInstanceId) => {
+            "another member still holds this group.instance.id: under group.protocol=consumer \
+             a killed static member keeps it until the broker's group.consumer.session.timeout.ms \
+             (45 s by default); wait that long, or leave group.instance.id unset"
+        }
+        Some(Code::FencedInstanceId) => {
+            "another instance runs with the same group.instance.id; give each its own"
+        }
+        Some(Code::AutoOffsetReset | Code::OffsetOutOfRange | Code::LogTruncation) => {
+            "the position is outside the partition's log (records expired or truncated \
+             before they were read); they cannot be read, so the guard stops rather than skip"
+        }
+        _ => "librdkafka does not retry it; the guard stops rather than skip records",
+    }
+}
+
+/// Logs transient consumer errors once per cause, then a count at most
+/// every 30 s.
+#[derive(Debug, Default)]
+pub(crate) struct TransientLog {
+    seen: HashMap<Option<i32>, (u64, Instant)>,
+}
+
+impl TransientLog {
+    /// Notes a transient error, logging it when due.
+    pub fn note(&mut self, e: &KafkaError) {
+        let now = Instant::now();
+        let entry = self.seen.entry(e.rdkafka_error_code().map(|c| c as i32));
+        match entry {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                tracing::warn!(error = %e, "consumer error; librdkafka retries it");
+                v.insert((0, now));
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let (count, since) = o.get_mut();
+                *count += 1;
+                if now.duration_since(*since) >= REPEAT_LOG {
+                    tracing::warn!(
+                        error = %e,
+                        times = *count,
+                        seconds = now.duration_since(*since).as_secs(),
+                        "consumer error seen again; librdkafka keeps retrying it"
+                    );
+                    *count = 0;
+                    *since = now;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn transport_trouble_heals_and_decoding_or_access_trouble_does_not() {
+        assert!(heals(&KafkaError::MessageConsumption(
+            Code::BrokerTransportFailure
+        )));
+        assert!(heals(&KafkaError::MessageConsumption(
+            Code::NotLeaderForPartition
+        )));
+        for code in [
+            Code::NotImplemented,
+            Code::TopicAuthorizationFailed,
+            Code::GroupAuthorizationFailed,
+            Code::UnknownTopicOrPartition,
+            Code::BadMessage,
+            Code::Authentication,
+            Code::UnreleasedInstanceId,
+        ] {
+            assert!(!heals(&KafkaError::MessageConsumption(code)), "{code:?}");
+        }
+        // librdkafka's own verdict wins, even for a code that usually heals.
+        assert!(!heals(&KafkaError::MessageConsumptionFatal(
+            Code::BrokerTransportFailure
+        )));
+        assert!(
+            hint(&KafkaError::MessageConsumption(Code::NotImplemented)).contains("cannot read")
+        );
+    }
+}
