@@ -16,7 +16,8 @@
   kt.py check --expect N --read FILE [--written FILE] [--after T0]
       Counts duplicates and missing integers 1..N in what was read, and, with
       --written, the write-to-read latency p50/p99/max (first read of each).
-      --after T0 also prints the first record read after unix time T0.
+      --after T0 [--since T1] also prints the first record read after T1
+      (default T0), as seconds after T0: T0 the kill, T1 the restart.
 """
 import argparse
 import sys
@@ -119,10 +120,11 @@ def check(a):
             print(f"latency_ms p50={pct(lat, .5):.0f} p99={pct(lat, .99):.0f} "
                   f"max={max(lat):.0f} n={len(lat)}")
     if a.after:
-        later = [(t, i) for i, t in got if t > a.after]
+        since = a.since or a.after
+        later = [(t, i) for i, t in got if t > since]
         if later:
             t, i = min(later)
-            print(f"first_after value={i} delay_s={t - a.after:.2f}")
+            print(f"first read after the restart: value={i}, {t - a.after:.2f} s after the kill")
 
 
 def main():
@@ -147,6 +149,7 @@ def main():
     c.add_argument("--read", required=True)
     c.add_argument("--written")
     c.add_argument("--after", type=float)
+    c.add_argument("--since", type=float)
     a = ap.parse_args()
     {"produce": produce, "read": read, "check": check}[a.cmd](a)
 

@@ -1,8 +1,11 @@
 package dev.replayguard.peer.flink;
 
+import java.lang.management.ManagementFactory;
 import java.time.Duration;
 import java.util.LinkedHashMap;
+import java.util.List;
 import java.util.Map;
+import java.util.Optional;
 
 import org.apache.flink.api.common.JobID;
 import org.apache.flink.api.common.JobStatus;
@@ -14,6 +17,10 @@ import org.apache.flink.configuration.ExternalizedCheckpointRetention;
 import org.apache.flink.configuration.RestOptions;
 import org.apache.flink.configuration.StateRecoveryOptions;
 import org.apache.flink.connector.base.DeliveryGuarantee;
+import org.apache.flink.connector.kafka.lineage.DefaultKafkaDatasetFacet;
+import org.apache.flink.connector.kafka.lineage.DefaultKafkaDatasetIdentifier;
+import org.apache.flink.connector.kafka.lineage.KafkaDatasetFacet;
+import org.apache.flink.connector.kafka.lineage.KafkaDatasetFacetProvider;
 import org.apache.flink.connector.kafka.sink.KafkaRecordSerializationSchema;
 import org.apache.flink.connector.kafka.sink.KafkaSink;
 import org.apache.flink.connector.kafka.sink.TransactionNamingStrategy;
@@ -48,7 +55,7 @@ import org.apache.kafka.clients.producer.ProducerRecord;
  * slot). When every task of the job is RUNNING (state restored, lingering
  * transactions aborted, operators open) it prints one line to stdout:
  *
- * <pre>flink-peer: running job=ID guarantee=G restored=PATH|none</pre>
+ * <pre>flink-peer: running job=ID guarantee=G restored=PATH|none jvm_uptime_ms=N</pre>
  *
  * Everything else (Flink's logs) goes to stderr.
  */
@@ -79,7 +86,9 @@ public final class CopyJob {
         }
     }
 
-    static final class WriteBytes implements KafkaRecordSerializationSchema<Rec> {
+    /** Names its one topic, which the POOLING naming strategy requires to list transactions. */
+    static final class WriteBytes
+            implements KafkaRecordSerializationSchema<Rec>, KafkaDatasetFacetProvider {
         private final String topic;
 
         WriteBytes(String topic) {
@@ -90,6 +99,12 @@ public final class CopyJob {
         public ProducerRecord<byte[], byte[]> serialize(
                 Rec element, KafkaSinkContext context, Long timestamp) {
             return new ProducerRecord<>(topic, null, timestamp, element.key, element.value);
+        }
+
+        @Override
+        public Optional<KafkaDatasetFacet> getKafkaDatasetFacet() {
+            return Optional.of(
+                    new DefaultKafkaDatasetFacet(DefaultKafkaDatasetIdentifier.ofTopics(List.of(topic))));
         }
     }
 
@@ -183,8 +198,11 @@ public final class CopyJob {
         JobID job = cluster.submitJob(graph).get().getJobID();
         waitUntilRunning(cluster, job);
         System.out.printf(
-                "flink-peer: running job=%s guarantee=%s restored=%s%n",
-                job, guarantee.name(), restore == null ? "none" : restore);
+                "flink-peer: running job=%s guarantee=%s restored=%s jvm_uptime_ms=%d%n",
+                job,
+                guarantee.name(),
+                restore == null ? "none" : restore,
+                ManagementFactory.getRuntimeMXBean().getUptime());
         System.out.flush();
 
         JobResult result = cluster.requestJobResult(job).get();
