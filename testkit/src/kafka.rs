@@ -19,6 +19,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use crate::process::{run_bounded, send_signal, wait_bounded};
+use crate::proxy::Proxy;
 use crate::{TestResult, free_port, repo_root};
 
 /// How long a broker may take to answer a metadata request after its
@@ -71,6 +72,11 @@ pub struct KafkaOptions {
     pub acl: bool,
     /// More server properties, `key=value`.
     pub properties: Vec<String>,
+    /// A second plaintext listener behind a [`Proxy`] whose traffic the
+    /// test can hold: a client bootstrapped at
+    /// [`KafkaBroker::proxied_bootstrap`] reaches the broker only through
+    /// it (the listener advertises the proxy's address).
+    pub proxied: bool,
 }
 
 /// A single-node Apache Kafka on 127.0.0.1 in a temporary folder, killed
@@ -82,6 +88,8 @@ pub struct KafkaBroker {
     options: KafkaOptions,
     child: Option<Child>,
     starts: u32,
+    /// The proxied listener's port and its proxy, with `proxied`.
+    proxied: Option<(u16, Proxy)>,
     /// How long the last start took until a metadata request answered.
     pub last_start: Duration,
 }
@@ -113,10 +121,19 @@ impl KafkaBroker {
                 options: options.clone(),
                 child: None,
                 starts: 0,
+                proxied: None,
                 last_start: Duration::ZERO,
             };
             if broker.port == broker.controller_port {
                 continue;
+            }
+            if options.proxied {
+                let listener = free_port()?;
+                let proxy = Proxy::start(
+                    free_port()?,
+                    std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, listener)),
+                )?;
+                broker.proxied = Some((listener, proxy));
             }
             if !options.sasl_users.is_empty() {
                 broker.make_certificates()?;
@@ -140,6 +157,16 @@ impl KafkaBroker {
     /// The bootstrap address, `127.0.0.1:PORT`.
     pub fn bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The proxy's bootstrap address, with `proxied`.
+    pub fn proxied_bootstrap(&self) -> Option<String> {
+        self.proxied.as_ref().map(|(_, p)| p.address())
+    }
+
+    /// The proxy in front of the proxied listener, with `proxied`.
+    pub fn proxy(&self) -> Option<&Proxy> {
+        self.proxied.as_ref().map(|(_, p)| p)
     }
 
     /// A client configuration that reaches this broker: the bootstrap
@@ -261,6 +288,21 @@ impl KafkaBroker {
         let results = futures::executor::block_on(admin.create_topics([&topic], &options))?;
         for r in results {
             r.map_err(|(t, e)| format!("creating topic {t}: {e}"))?;
+        }
+        self.wait_for_topic(name, partitions)
+    }
+
+    /// Grows a topic to `partitions` partitions.
+    ///
+    /// # Errors
+    /// When the broker refuses or does not answer within a minute.
+    pub fn add_partitions(&self, name: &str, partitions: i32) -> TestResult {
+        let admin = self.admin()?;
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(60)));
+        let grow = rdkafka::admin::NewPartitions::new(name, partitions as usize);
+        let results = futures::executor::block_on(admin.create_partitions([&grow], &options))?;
+        for r in results {
+            r.map_err(|(t, e)| format!("adding partitions to {t}: {e}"))?;
         }
         self.wait_for_topic(name, partitions)
     }
@@ -512,6 +554,11 @@ impl KafkaBroker {
         }
         if self.options.acl {
             command.arg("--acl");
+        }
+        if let Some((listener, proxy)) = &self.proxied {
+            let advertised = proxy.address();
+            let port = advertised.rsplit(':').next().unwrap_or_default();
+            command.arg("--proxied").arg(format!("{listener}:{port}"));
         }
         for p in &self.options.properties {
             command.arg("--set").arg(p);

@@ -22,6 +22,9 @@
 //! - [`integers`], [`check_each_once`], [`check_increasing`] and
 //!   [`dups_and_missing`]: exactly-once checks.
 //! - [`process`]: bounded runs, waits and drops, and signals.
+//! - [`run`]: runs of the command under test ([`Proc`], killed with
+//!   SIGKILL and reaped), a steady [`Feeder`] of integers, end offsets
+//!   watched meanwhile ([`Ends`]), and seeded plans ([`seeded`]).
 //!
 //! Every call that waits has a bound and fails with a message when it runs
 //! out; nothing here waits forever.
@@ -33,7 +36,9 @@ pub mod kafka;
 pub mod mock;
 pub mod process;
 pub mod produce;
+pub mod proxy;
 pub mod read;
+pub mod run;
 pub mod tansu;
 
 use std::net::{Ipv4Addr, TcpListener};
@@ -50,9 +55,14 @@ pub use process::{
 pub use produce::{
     NewRecord, TestProducer, WriteOptions, end_offsets, produce, produce_integers, write_with,
 };
+pub use proxy::Proxy;
 pub use read::{
     PyClient, ReadOptions, ReadRecord, Record, Until, committed_offsets, produce_values, python,
     read_all, read_topic, read_topic_with,
+};
+pub use run::{
+    Ends, FEED_CAP, FIRST_OUTPUT_LIMIT, Feeder, Proc, error_line, outcome, replayguard_bin, seeded,
+    sleep_watching,
 };
 pub use tansu::TansuBroker;
 
