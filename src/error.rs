@@ -38,6 +38,23 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// The state folder belongs to another job: another consumer group,
+    /// output, identity or changelog, or none of the same inputs. Taking
+    /// its positions and identities as this job's would skip records.
+    #[error(
+        "state folder {path} belongs to another job: {what} (the folder's job: {folder}; this one: {given}); give this job a state folder of its own, or re-bind the folder to this job on purpose"
+    )]
+    JobMismatch {
+        /// The state folder.
+        path: PathBuf,
+        /// What differs.
+        what: String,
+        /// The job the folder belongs to.
+        folder: Box<crate::job::Job>,
+        /// The job of this run.
+        given: Box<crate::job::Job>,
+    },
+
     /// The state was written by a format version this build does not know.
     #[error(
         "state folder {path} has format version {found}, but this build reads only version {supported}; use a replayguard release that matches it"
@@ -150,6 +167,52 @@ pub enum Error {
         source: Box<rdkafka::error::KafkaError>,
         /// What to do about it.
         hint: &'static str,
+    },
+
+    /// The process stood still (frozen, or starved) longer than its lease:
+    /// the group coordinator may have expired it and given its partitions
+    /// to another member, so it stopped before handing on more work
+    /// (fencing without transactions). Outputs still queued were purged,
+    /// and their inputs are not recorded as handled.
+    #[error(
+        "this instance stood still for {since:?}, longer than its lease of {lease:?}: its consumer group may have given its partitions to another member, so it stopped before handing on more work, and nothing unfinished is counted as handled; start it again"
+    )]
+    LeaseLapsed {
+        /// How long it stood still.
+        since: std::time::Duration,
+        /// The lease's length.
+        lease: std::time::Duration,
+    },
+
+    /// librdkafka found the consumer's group session timed out (no
+    /// heartbeat answered for the session timeout, as when the network is
+    /// cut): its partitions may belong to another member now, so it stopped
+    /// before handing on more work. Outputs still queued were purged.
+    #[error(
+        "the consumer group session timed out and the assignment is lost (no heartbeat answered for the session timeout): another member may own the partitions now, so this instance stopped before handing on more work, and nothing unfinished is counted as handled; start it again"
+    )]
+    AssignmentLost,
+
+    /// A topic ends below an offset this state folder (or its consumer
+    /// group) already handled (an input) or wrote (the output): it was
+    /// deleted and recreated, or truncated. Going on would skip the new
+    /// topic's records below that offset, or misread its output.
+    #[error(
+        "{topic}[{partition}] ends at offset {end}, below offset {known} that this state folder or its consumer group has already {done}: the topic was deleted and recreated, or truncated, and going on would {risk}; if that was on purpose, give this job a new state folder and a new consumer group"
+    )]
+    TopicRewound {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// Its high watermark now.
+        end: i64,
+        /// The offset known to have been reached.
+        known: i64,
+        /// "handled" (input) or "written" (output).
+        done: &'static str,
+        /// What going on would do.
+        risk: &'static str,
     },
 
     /// The user's processing function failed.

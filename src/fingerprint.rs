@@ -144,23 +144,41 @@ pub enum Identity {
 
 /// A user identity function, see [`Identity::Custom`].
 #[derive(Clone)]
-pub struct IdentityFn(std::sync::Arc<KeyValueFn>);
+pub struct IdentityFn(std::sync::Arc<KeyValueFn>, std::sync::Arc<str>);
 
 /// The signature of a user identity function: (key, value) to identity.
 type KeyValueFn = dyn Fn(Option<&[u8]>, Option<&[u8]>) -> Option<Fingerprint> + Send + Sync;
 
 impl IdentityFn {
-    /// Wraps a function of (key, value).
+    /// Wraps a function of (key, value). Its name is `custom`; a state
+    /// folder cannot tell two unnamed functions apart, see
+    /// [`IdentityFn::named`].
     pub fn new(
         f: impl Fn(Option<&[u8]>, Option<&[u8]>) -> Option<Fingerprint> + Send + Sync + 'static,
     ) -> Self {
-        IdentityFn(std::sync::Arc::new(f))
+        Self::named("custom", f)
+    }
+
+    /// Wraps a function of (key, value) under a name. The state folder
+    /// records the name with its job, and refuses a run whose identity has
+    /// another name: give a changed function a new name.
+    pub fn named(
+        name: impl AsRef<str>,
+        f: impl Fn(Option<&[u8]>, Option<&[u8]>) -> Option<Fingerprint> + Send + Sync + 'static,
+    ) -> Self {
+        IdentityFn(std::sync::Arc::new(f), std::sync::Arc::from(name.as_ref()))
+    }
+
+    /// The function's name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.1
     }
 }
 
 impl std::fmt::Debug for IdentityFn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("IdentityFn(..)")
+        write!(f, "IdentityFn({})", self.1)
     }
 }
 
@@ -173,6 +191,19 @@ impl PartialEq for IdentityFn {
 impl Eq for IdentityFn {}
 
 impl Identity {
+    /// The identity's name, as a state folder records it: `content`,
+    /// `key`, `header:NAME`, `offset` or `custom:NAME`.
+    #[must_use]
+    pub fn label(&self) -> String {
+        match self {
+            Identity::Content => "content".into(),
+            Identity::Key => "key".into(),
+            Identity::Header(name) => format!("header:{name}"),
+            Identity::Offset => "offset".into(),
+            Identity::Custom(f) => format!("custom:{}", f.name()),
+        }
+    }
+
     /// Computes the fingerprint of a record under this identity.
     ///
     /// `header` looks up a header value by name (`None` when absent).

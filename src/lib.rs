@@ -96,6 +96,7 @@ mod error;
 pub mod fingerprint;
 mod guard;
 mod index;
+pub mod job;
 pub mod kafka;
 pub mod store;
 
@@ -103,4 +104,5 @@ pub use error::{Error, Result, StoreError};
 pub use fingerprint::{Fingerprint, Identity, IdentityFn};
 pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Stats, Verdict};
 pub use index::Reason;
+pub use job::{Binding, Job, JobKind};
 pub use store::{Durability, LaneName, Manifest};

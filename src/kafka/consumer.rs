@@ -12,11 +12,13 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Message, OwnedMessage};
 
 use super::context::{Core, GuardContext, Shared};
+use super::lease::{Lease, Watchdog};
 use super::pipeline::{Mode, PipelineStats};
 use super::setup::{self, kafka};
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, Identity};
 use crate::guard::Guard;
+use crate::job::{Job, JobKind};
 use crate::store::Durability;
 
 /// A fresh record, to be acked with [`GuardedConsumer::ack`] once handled.
@@ -55,6 +57,8 @@ pub struct GuardedConsumerBuilder {
     stop_at_end: bool,
     connect_attempts: u32,
     timeout: Duration,
+    lease: Option<Duration>,
+    rebind: bool,
 }
 
 impl GuardedConsumerBuilder {
@@ -103,6 +107,27 @@ impl GuardedConsumerBuilder {
         self
     }
 
+    /// The longest stall (the process frozen or starved) after which this
+    /// consumer still delivers records; after a longer one it stops, since
+    /// the group coordinator may have expired it. Default: the session
+    /// timeout less the heartbeat interval less a tenth (at least 1 s), 4 s
+    /// with the adapters' defaults; 5 s under `group.protocol=consumer`. It
+    /// must stay below the time the coordinator takes to expire a silent
+    /// member.
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = Some(d);
+        self
+    }
+
+    /// Re-bind the state folder to this consumer even when it belongs to
+    /// another job (another group or identity, or no topic in common),
+    /// instead of refusing it with [`Error::JobMismatch`]. Default false.
+    /// Only for a folder moved to another job on purpose.
+    pub fn rebind(mut self, yes: bool) -> Self {
+        self.rebind = yes;
+        self
+    }
+
     /// Attempts to reach the brokers at build. Default 10.
     pub fn connect_attempts(mut self, n: u32) -> Self {
         self.connect_attempts = n;
@@ -128,21 +153,36 @@ impl GuardedConsumerBuilder {
             .retention_epochs(self.retention_epochs)
             .retention_time(self.retention_time)
             .open()?;
-        let instance = setup::instance_id(&self.state, &group)?;
+        let job = Job::new(
+            JobKind::Consumer,
+            &group,
+            &self.topics,
+            self.identity.label(),
+        );
+        crate::job::bind(&self.state, &job, self.rebind)?;
+        let instance = setup::instance_id(&self.state, &group, &self.topics)?;
         let cfg = setup::guarded_consumer_config(&self.config, &instance)?;
+        let fenced = !setup::fault("no-fencing");
+        let lease = self.lease.unwrap_or_else(|| setup::lease_length(&cfg));
         let core = Arc::new(Core {
             shared: Shared::new(Some(guard)),
             producer: None,
             reconciler: None,
             mode: Mode::Guarded,
             flush_timeout: self.timeout,
+            instance: setup::instance_token(&self.state)?,
+            fenced,
+            lease: Lease::new(lease, fenced),
         });
-        let consumer: StreamConsumer<GuardContext> = cfg
-            .create_with_context(GuardContext { core: core.clone() })
-            .map_err(kafka("creating the consumer"))?;
+        let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
+            cfg.create_with_context(GuardContext { core: core.clone() })
+                .map_err(kafka("creating the consumer"))?,
+        );
         consumer.subscribe(&topics).map_err(kafka("subscribing"))?;
+        let watchdog = core.lease.watch();
         Ok(GuardedConsumer {
             consumer,
+            _watchdog: watchdog,
             core,
             identity: self.identity,
             interval: self.checkpoint_interval,
@@ -162,7 +202,9 @@ impl GuardedConsumerBuilder {
 /// within the retention; an unacked record is delivered again after a
 /// restart.
 pub struct GuardedConsumer {
-    consumer: StreamConsumer<GuardContext>,
+    consumer: Arc<StreamConsumer<GuardContext>>,
+    /// Watches for stalls while the consumer lives.
+    _watchdog: Option<Watchdog>,
     core: Arc<Core>,
     identity: Identity,
     interval: Duration,
@@ -189,6 +231,8 @@ impl GuardedConsumer {
             stop_at_end: false,
             connect_attempts: 10,
             timeout: Duration::from_secs(30),
+            lease: None,
+            rebind: false,
         }
     }
 
@@ -222,7 +266,7 @@ impl GuardedConsumer {
             let m = match msg {
                 Ok(m) => m,
                 Err(KafkaError::PartitionEOF(p)) => {
-                    if self.stop_at_end && self.core.at_end(&self.consumer, p, self.timeout)? {
+                    if self.stop_at_end && self.core.at_end(&*self.consumer, p, self.timeout)? {
                         return Ok(None);
                     }
                     continue;
@@ -234,7 +278,7 @@ impl GuardedConsumer {
                     continue;
                 }
                 Err(e) => {
-                    let e = self.core.consume_failure(&self.consumer, e);
+                    let e = self.core.consume_failure(&*self.consumer, e);
                     self.core.lock().fail(e.to_string());
                     return Err(e);
                 }
@@ -247,6 +291,9 @@ impl GuardedConsumer {
             }
             s.begin(topic, partition, offset, fp, 1);
             drop(s);
+            // Not delivered once this consumer may have lost its partitions;
+            // the record stays unacked, so its next owner delivers it.
+            self.core.check_lease(&*self.consumer)?;
             return Ok(Some(GuardedRecord {
                 message: m.detach(),
                 fingerprint: fp,
@@ -291,8 +338,8 @@ impl GuardedConsumer {
     /// A store failure.
     pub async fn checkpoint(&self) -> Result<()> {
         let started = Instant::now();
-        let tpl = self.core.lock().checkpoint(None)?;
-        self.core.commit(&self.consumer, &tpl, CommitMode::Async)?;
+        let tpl = self.core.lock().checkpoint(None, false)?;
+        self.core.commit(&*self.consumer, &tpl, CommitMode::Async)?;
         if let Ok(mut t) = self.last_checkpoint.lock() {
             *t = Instant::now();
         }

@@ -13,6 +13,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use serde::{Deserialize, Serialize};
 
+use super::lease::Lease;
 use super::pipeline::{DeliveryContext, Mode};
 use super::reconcile::Reconciler;
 use crate::error::{Error, Result};
@@ -59,6 +60,17 @@ pub(crate) struct SinkPositions {
     /// Output partition to the next offset after the last acked output.
     #[serde(rename = "e")]
     pub ends: BTreeMap<i32, i64>,
+    /// The instance that wrote it (its state folder's token).
+    #[serde(rename = "i", default)]
+    pub instance: String,
+    /// Written by a revoke that flushed and checkpointed: the next owner
+    /// need not wait for outputs in flight.
+    #[serde(rename = "c", default)]
+    pub clean: bool,
+    /// How long the writer's outputs can stay in flight, in milliseconds:
+    /// how long a new owner that got no clean handover waits.
+    #[serde(rename = "w", default)]
+    pub in_flight_ms: u64,
 }
 
 /// Counters shared across threads.
@@ -85,6 +97,25 @@ pub(crate) struct Shared {
     /// Partition numbers that reported end-of-partition with no record
     /// since; the exact end check runs only when all assigned ones did.
     pub at_eof: std::collections::HashSet<i32>,
+    /// Partitions assigned but not recovered yet, see [`Held`].
+    pub held: Option<Held>,
+}
+
+/// Partitions whose previous owner (another instance) left without a clean
+/// handover: its outputs may be in flight until `until`. They stay paused,
+/// and any record of theirs is skipped, until then; then the output is
+/// reconciled and they resume from their start. The wait happens outside
+/// the rebalance callback, so that the member keeps taking part in its
+/// group meanwhile.
+#[derive(Debug)]
+pub(crate) struct Held {
+    pub until: Instant,
+    /// The previous owner, for logs.
+    pub from: String,
+    pub partitions: Vec<(String, i32)>,
+    /// Where reconciliation starts, as on assign.
+    pub manifest: Option<SinkPositions>,
+    pub commits: Vec<SinkPositions>,
 }
 
 impl Shared {
@@ -99,6 +130,7 @@ impl Shared {
             aborted: false,
             partial: HashMap::new(),
             at_eof: std::collections::HashSet::new(),
+            held: None,
         }))
     }
 
@@ -168,6 +200,14 @@ impl Shared {
         offset: i64,
         fp: Option<Fingerprint>,
     ) -> Result<bool> {
+        // Fetched before its pause took hold: read again once released.
+        if self.held.as_ref().is_some_and(|h| {
+            h.partitions
+                .iter()
+                .any(|(t, p)| t == topic && *p == partition)
+        }) {
+            return Ok(false);
+        }
         self.counters.records_in += 1;
         metrics::counter!("replayguard_records_in_total").increment(1);
         self.at_eof.remove(&partition);
@@ -237,15 +277,16 @@ impl Shared {
     }
 
     /// Writes the manifest (guarded mode) and returns the offsets to commit,
-    /// with the sink positions as commit metadata.
-    pub fn checkpoint(&mut self, only: Option<&TopicPartitionList>) -> Result<TopicPartitionList> {
+    /// with the sink positions as commit metadata; `clean` marks a revoke
+    /// that flushed every output first.
+    pub fn checkpoint(
+        &mut self,
+        only: Option<&TopicPartitionList>,
+        clean: bool,
+    ) -> Result<TopicPartitionList> {
         let positions = self.positions();
-        let sink_json = match &self.sink {
-            Some(s) => {
-                serde_json::to_vec(s).map_err(|e| Error::Config(format!("sink encoding: {e}")))?
-            }
-            None => Vec::new(),
-        };
+        let meta = self.commit_metadata(clean)?;
+        let sink_json = meta.clone().into_bytes();
         if let Some(guard) = self.guard.as_mut() {
             let lanes: Vec<(LaneId, u64)> = positions
                 .iter()
@@ -253,7 +294,6 @@ impl Shared {
                 .collect();
             guard.checkpoint(&lanes, sink_json.clone())?;
         }
-        let meta = String::from_utf8_lossy(&sink_json).into_owned();
         let mut tpl = TopicPartitionList::new();
         for (topic, p, pos, _) in positions {
             if only.is_some_and(|o| o.find_partition(&topic, p).is_none()) {
@@ -273,6 +313,31 @@ impl Shared {
         Ok(tpl)
     }
 
+    /// Forgets held partitions that left.
+    pub fn release_held(&mut self, gone: &TopicPartitionList) {
+        if let Some(h) = self.held.as_mut() {
+            h.partitions
+                .retain(|(t, p)| gone.find_partition(t, *p).is_none());
+            if h.partitions.is_empty() {
+                self.held = None;
+            }
+        }
+    }
+
+    /// The commit metadata: the sink positions with who wrote them, and
+    /// whether this is a clean handover. Empty without a sink (a guarded
+    /// consumer).
+    pub fn commit_metadata(&mut self, clean: bool) -> Result<String> {
+        match self.sink.as_mut() {
+            Some(sink) => {
+                sink.clean = clean;
+                serde_json::to_string(sink)
+                    .map_err(|e| Error::Config(format!("sink encoding: {e}")))
+            }
+            None => Ok(String::new()),
+        }
+    }
+
     pub fn fail(&mut self, what: String) {
         tracing::error!(error = %what, "replayguard stopped");
         self.failure.get_or_insert(what);
@@ -286,6 +351,11 @@ pub(crate) struct Core {
     pub reconciler: Option<Reconciler>,
     pub mode: Mode,
     pub flush_timeout: Duration,
+    /// This instance's token, written into commit metadata.
+    pub instance: String,
+    /// Whether new owners wait for a previous owner's outputs in flight.
+    pub fenced: bool,
+    pub lease: Lease,
 }
 
 impl Core {
@@ -295,6 +365,31 @@ impl Core {
         self.shared
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Fails when this instance's lease on its partitions lapsed (the
+    /// process stood still longer than the lease) or librdkafka found its
+    /// session timed out: another member may own them now. A pipeline's
+    /// queued outputs are purged first, so that none of them is sent
+    /// (their inputs stay unhandled).
+    pub fn check_lease(&self, consumer: &impl Consumer<GuardContext>) -> Result<()> {
+        let lapsed = self.lease.lapsed();
+        let lost = self.lease.enabled && lapsed.is_none() && consumer.assignment_lost();
+        if lapsed.is_none() && !lost {
+            return Ok(());
+        }
+        if let Some(p) = &self.producer {
+            p.purge(rdkafka::producer::PurgeConfig::default().queue());
+        }
+        let e = match lapsed {
+            Some(since) => Error::LeaseLapsed {
+                since,
+                lease: self.lease.length,
+            },
+            None => Error::AssignmentLost,
+        };
+        self.lock().fail(e.to_string());
+        Err(e)
     }
 
     pub fn is_aborted(&self) -> bool {
@@ -413,6 +508,70 @@ impl Core {
         }
     }
 
+    /// The held partitions, as a list to pause.
+    fn held_list(&self) -> Option<TopicPartitionList> {
+        let s = self.lock();
+        let h = s.held.as_ref()?;
+        let mut tpl = TopicPartitionList::new();
+        for (t, p) in &h.partitions {
+            tpl.add_partition(t, *p);
+        }
+        Some(tpl)
+    }
+
+    /// When the held partitions' wait is over: reconciles the output,
+    /// then resumes them from their starts. Returns when the wait ends, if
+    /// it has not yet.
+    pub fn recover_held(&self, consumer: &impl Consumer<GuardContext>) -> Result<Option<Instant>> {
+        let held = {
+            let mut s = self.lock();
+            match &s.held {
+                None => return Ok(None),
+                Some(h) if h.until > Instant::now() => return Ok(Some(h.until)),
+                Some(_) => s.held.take(),
+            }
+        };
+        let Some(held) = held else {
+            return Ok(None);
+        };
+        if let Some(r) = &self.reconciler {
+            r.reconcile(self, held.manifest.as_ref(), &held.commits)?;
+        }
+        let mut tpl = TopicPartitionList::new();
+        {
+            let mut s = self.lock();
+            for (t, p) in &held.partitions {
+                if let Some(next) = s
+                    .tracks
+                    .get(t)
+                    .and_then(|m| m.get(p))
+                    .and_then(|tr| tr.next)
+                {
+                    tpl.add_partition_offset(t, *p, Offset::Offset(next))
+                        .map_err(super::setup::kafka("building the list to resume"))?;
+                }
+                // Its records skipped while held are read again.
+                s.at_eof.remove(p);
+            }
+        }
+        if tpl.count() > 0 {
+            consumer
+                .seek_partitions(tpl.clone(), self.flush_timeout)
+                .map_err(super::setup::kafka(
+                    "seeking held partitions to their starts",
+                ))?;
+            consumer
+                .resume(&tpl)
+                .map_err(super::setup::kafka("resuming held partitions"))?;
+        }
+        tracing::info!(
+            previous_owner = %held.from,
+            partitions = tpl.count(),
+            "held partitions reconciled and resumed"
+        );
+        Ok(None)
+    }
+
     pub fn failure(&self) -> Option<String> {
         self.lock().failure.clone()
     }
@@ -450,7 +609,7 @@ impl Core {
                     "{unacked} outputs still unacked after the flush timeout"
                 )));
             }
-            s.checkpoint(only)?
+            s.checkpoint(only, only.is_some())?
         };
         self.commit(consumer, &tpl, CommitMode::Sync)
     }
@@ -513,6 +672,7 @@ impl Core {
                 m.remove(&e.partition());
             }
         }
+        s.release_held(tpl);
         metrics::histogram!("replayguard_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());
         tracing::info!(
@@ -534,6 +694,9 @@ impl Core {
             .committed_offsets(tpl.clone(), self.flush_timeout)
             .map_err(super::setup::kafka("reading committed offsets"))?;
         let mut from_commits: Vec<SinkPositions> = Vec::new();
+        // The longest a previous owner that left without a clean handover
+        // can still have outputs in flight, and who it was.
+        let mut zombie: Option<(Duration, String)> = None;
         let mut starts = Vec::new();
         let mut s = self.lock();
         let manifest_sink: Option<SinkPositions> = s
@@ -555,8 +718,37 @@ impl Core {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
             };
+            if let Some(known) = start.filter(|o| *o > 0) {
+                drop(s);
+                let (_, hi) = consumer
+                    .fetch_watermarks(&topic, p, self.flush_timeout)
+                    .map_err(super::setup::kafka("reading input watermarks"))?;
+                if hi < known {
+                    return Err(Error::TopicRewound {
+                        topic,
+                        partition: p,
+                        end: hi,
+                        known,
+                        done: "handled",
+                        risk: "skip the new topic's records below that offset",
+                    });
+                }
+                s = self.lock();
+            }
+            let sink = serde_json::from_str::<SinkPositions>(e.metadata()).ok();
+            if let Some(sink) = &sink
+                && group_pos >= local
+                && !sink.clean
+                && !sink.instance.is_empty()
+                && sink.instance != self.instance
+            {
+                let wait = Duration::from_millis(sink.in_flight_ms);
+                if zombie.as_ref().is_none_or(|(w, _)| wait > *w) {
+                    zombie = Some((wait, sink.instance.clone()));
+                }
+            }
             if group_pos > local
-                && let Ok(sink) = serde_json::from_str::<SinkPositions>(e.metadata())
+                && let Some(sink) = sink
             {
                 from_commits.push(sink);
             }
@@ -577,7 +769,32 @@ impl Core {
         }
         drop(s);
         if let Some(r) = &self.reconciler {
-            r.reconcile(self, manifest_sink.as_ref(), &from_commits)?;
+            match zombie.filter(|(wait, _)| self.fenced && !wait.is_zero()) {
+                Some((wait, from)) => {
+                    super::lease::note_wait(wait, &from);
+                    let mut s = self.lock();
+                    let arriving = starts.iter().map(|(t, p, _)| (t.clone(), *p));
+                    match s.held.as_mut() {
+                        Some(h) => {
+                            h.until = h.until.max(Instant::now() + wait);
+                            h.partitions.extend(arriving);
+                            h.commits.extend(from_commits);
+                        }
+                        None => {
+                            s.held = Some(Held {
+                                until: Instant::now() + wait,
+                                from,
+                                partitions: arriving.collect(),
+                                manifest: manifest_sink,
+                                commits: from_commits,
+                            });
+                        }
+                    }
+                }
+                None => {
+                    r.reconcile(self, manifest_sink.as_ref(), &from_commits)?;
+                }
+            }
         }
         for (topic, p, start) in starts {
             if let Some(o) = start
@@ -649,11 +866,15 @@ impl ConsumerContext for GuardContext {
                         .fail(format!("recovery on assign failed: {e}"));
                     return;
                 }
-                if cooperative {
+                let assigned = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
                     consumer.assign(tpl)
-                }
+                };
+                assigned.and_then(|()| match self.core.held_list() {
+                    Some(held) => consumer.pause(&held),
+                    None => Ok(()),
+                })
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 if !consumer.assignment_lost() {
@@ -662,12 +883,18 @@ impl ConsumerContext for GuardContext {
                     tracing::warn!(
                         "assignment lost: not committing for partitions another member may own"
                     );
+                    // Outputs still queued for them must not be sent: the
+                    // new owner writes them.
+                    if self.core.fenced {
+                        let _ = self.core.check_lease(consumer);
+                    }
                     let mut s = self.core.lock();
                     for e in tpl.elements() {
                         if let Some(m) = s.tracks.get_mut(e.topic()) {
                             m.remove(&e.partition());
                         }
                     }
+                    s.release_held(tpl);
                 }
                 if cooperative {
                     consumer.incremental_unassign(tpl)

@@ -31,12 +31,33 @@
 //!   `group.consumer.session.timeout.ms` (45 s by default), and librdkafka
 //!   treats its successor's rejoin as fatal. A restart then waits that
 //!   session timeout before it gets its partitions back.
+//! - `heartbeat.interval.ms`, when not set, is a sixth of the session
+//!   timeout (librdkafka's 3 s at most): the lease below is the session
+//!   timeout less the heartbeat interval less a margin.
 //! - The pipeline's producer gets `enable.idempotence=true` and `acks=all`; a
-//!   configuration that turns idempotence off is refused.
+//!   configuration that turns idempotence off is refused. In guarded mode it
+//!   also gets `message.timeout.ms` (the pipeline's `delivery_timeout`, 10 s)
+//!   and `request.timeout.ms` (at most 5 s) unless they are set: they bound
+//!   how long an output can stay in flight, which is how long a new owner
+//!   waits after an unclean handover.
+//!
+//! ## Fencing without transactions
+//!
+//! An instance frozen or cut off past its session timeout must not write
+//! what its successor writes. It hands work on only within its lease, and
+//! stops, with its queued outputs purged, after the process stood still
+//! longer than the lease ([`crate::Error::LeaseLapsed`]) or once librdkafka
+//! finds its group session timed out ([`crate::Error::AssignmentLost`]). Every output has a
+//! bounded delivery time. A member given a partition by another instance
+//! without a clean handover (commit metadata says who wrote it and whether
+//! a revoke flushed first) keeps it paused for that instance's delivery
+//! bound before it reconciles the output. The README's guarantees say what
+//! this covers and what it does not.
 
 mod consumer;
 mod context;
 mod headers;
+mod lease;
 mod pipeline;
 mod reconcile;
 mod setup;

@@ -16,11 +16,13 @@ use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer}
 
 use super::context::{Core, GuardContext, Shared, SinkPositions};
 use super::headers::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
+use super::lease::{Lease, Watchdog};
 use super::reconcile::Reconciler;
 use super::setup::{self, kafka};
 use crate::error::{Error, Result};
 use crate::fingerprint::Identity;
 use crate::guard::{Guard, Stats};
+use crate::job::{Job, JobKind};
 use crate::store::Durability;
 
 /// How the pipeline makes its output.
@@ -208,6 +210,9 @@ pub struct GuardedPipelineBuilder {
     connect_attempts: u32,
     flush_timeout: Duration,
     reconcile: bool,
+    delivery_timeout: Duration,
+    lease: Option<Duration>,
+    rebind: bool,
 }
 
 impl GuardedPipelineBuilder {
@@ -284,6 +289,42 @@ impl GuardedPipelineBuilder {
         self
     }
 
+    /// How long an output may take to reach the broker: the producer's
+    /// `message.timeout.ms`, unless the producer configuration sets it.
+    /// Default 10 s. It bounds how long an instance that lost its
+    /// partitions while frozen or cut off can still have outputs in flight,
+    /// and so how long a new owner that got no clean handover waits before
+    /// it reconciles (this, plus the producer's `request.timeout.ms`,
+    /// at most 5 s unless set, plus 1 s). An output not acked within it
+    /// stops the pipeline with an error.
+    pub fn delivery_timeout(mut self, d: Duration) -> Self {
+        self.delivery_timeout = d;
+        self
+    }
+
+    /// The longest stall (the process frozen or starved) after which this
+    /// instance still hands outputs to the producer; after a longer one it
+    /// stops, since the group coordinator may have expired it. Default: the
+    /// session timeout less the heartbeat interval less a tenth (at least
+    /// 1 s), 4 s with the adapters' defaults; 5 s under
+    /// `group.protocol=consumer`, whose session timeout is the broker's. It
+    /// must stay below the time the coordinator takes to expire a silent
+    /// member.
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = Some(d);
+        self
+    }
+
+    /// Re-bind the state folder to this pipeline even when it belongs to
+    /// another job (another group, output, identity, or no input in
+    /// common), instead of refusing it with [`Error::JobMismatch`]. Default
+    /// false. Only for a folder moved to another job on purpose: its
+    /// positions and identities are then taken as this job's.
+    pub fn rebind(mut self, yes: bool) -> Self {
+        self.rebind = yes;
+        self
+    }
+
     /// Attempts to reach the brokers at build before giving up. Default 10.
     pub fn connect_attempts(mut self, n: u32) -> Self {
         self.connect_attempts = n;
@@ -313,6 +354,11 @@ impl GuardedPipelineBuilder {
         if self.inputs.is_empty() {
             return Err(Error::Config("no input topic given".into()));
         }
+        if self.inputs.contains(&output) {
+            return Err(Error::Config(format!(
+                "topic {output:?} is both an input and the output: the pipeline would copy its own output into itself without end; write to another topic"
+            )));
+        }
         setup::check_interval(self.checkpoint_interval)?;
         let group = setup::group_id(&self.consumer)?;
         let mut producer_cfg = setup::idempotent_producer_config(
@@ -330,8 +376,26 @@ impl GuardedPipelineBuilder {
             .retention_epochs(self.retention_epochs)
             .retention_time(self.retention_time)
             .open()?;
-        let instance = setup::instance_id(&self.state, &group)?;
+        let job = Job::new(
+            JobKind::Pipeline,
+            &group,
+            &self.inputs,
+            self.identity.label(),
+        )
+        .with_output(&output);
+        crate::job::bind(&self.state, &job, self.rebind)?;
+        let instance = setup::instance_id(&self.state, &group, &self.inputs)?;
+        let token = setup::instance_token(&self.state)?;
         let consumer_cfg = setup::guarded_consumer_config(&self.consumer, &instance)?;
+        let fenced = self.mode == Mode::Guarded && !setup::fault("no-fencing");
+        let in_flight = if fenced {
+            setup::bound_delivery(&mut producer_cfg, self.delivery_timeout)
+        } else {
+            Duration::ZERO
+        };
+        let lease = self
+            .lease
+            .unwrap_or_else(|| setup::lease_length(&consumer_cfg));
         if self.mode == Mode::Transactional {
             producer_cfg.set("transactional.id", format!("{instance}-tx"));
         }
@@ -364,6 +428,9 @@ impl GuardedPipelineBuilder {
             s.sink = Some(SinkPositions {
                 topic: output.clone(),
                 ends,
+                instance: token.clone(),
+                clean: false,
+                in_flight_ms: in_flight.as_millis() as u64,
             });
         }
         let producer: ThreadedProducer<DeliveryContext> = producer_cfg
@@ -386,15 +453,22 @@ impl GuardedPipelineBuilder {
             reconciler,
             mode: self.mode,
             flush_timeout: self.flush_timeout,
+            instance: token,
+            fenced,
+            lease: Lease::new(lease, fenced),
         });
-        let consumer: StreamConsumer<GuardContext> = consumer_cfg
-            .create_with_context(GuardContext { core: core.clone() })
-            .map_err(kafka("creating the consumer"))?;
+        let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
+            consumer_cfg
+                .create_with_context(GuardContext { core: core.clone() })
+                .map_err(kafka("creating the consumer"))?,
+        );
         let inputs: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         consumer.subscribe(&inputs).map_err(kafka("subscribing"))?;
+        let watchdog = core.lease.watch();
         tracing::info!(inputs = ?self.inputs, %output, mode = ?self.mode, state = %self.state.display(), "pipeline started");
         Ok(GuardedPipeline {
             consumer,
+            _watchdog: watchdog,
             producer,
             core,
             identity: self.identity,
@@ -438,7 +512,9 @@ impl StatsHandle {
 /// [`SOURCE_HEADER`], which recovery reads back to close the window between
 /// an output's ack and its input's identity reaching disk.
 pub struct GuardedPipeline {
-    consumer: StreamConsumer<GuardContext>,
+    consumer: Arc<StreamConsumer<GuardContext>>,
+    /// Watches for stalls while the pipeline lives.
+    _watchdog: Option<Watchdog>,
     producer: Arc<ThreadedProducer<DeliveryContext>>,
     core: Arc<Core>,
     identity: Identity,
@@ -470,6 +546,9 @@ impl GuardedPipeline {
             connect_attempts: 10,
             flush_timeout: Duration::from_secs(30),
             reconcile: true,
+            delivery_timeout: Duration::from_secs(10),
+            lease: None,
+            rebind: false,
         }
     }
 
@@ -553,12 +632,22 @@ impl GuardedPipeline {
         tick.tick().await;
         let mut transient = super::trouble::TransientLog::default();
         loop {
+            // Partitions waiting for a previous owner's outputs in flight
+            // are recovered once the wait is over.
+            let held = self.core.recover_held(&*self.consumer)?;
+            let release = async move {
+                match held {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             let msg = tokio::select! {
                 m = self.consumer.recv() => m,
                 _ = tick.tick() => {
                     self.checkpoint(CommitMode::Async).await?;
                     continue;
                 }
+                () = release => continue,
                 () = &mut stop => break,
             };
             self.check_failure()?;
@@ -566,7 +655,7 @@ impl GuardedPipeline {
                 Ok(m) => m,
                 Err(KafkaError::PartitionEOF(p)) => {
                     if self.stop_at_end
-                        && self.core.at_end(&self.consumer, p, self.flush_timeout)?
+                        && self.core.at_end(&*self.consumer, p, self.flush_timeout)?
                     {
                         break;
                     }
@@ -577,7 +666,7 @@ impl GuardedPipeline {
                     continue;
                 }
                 Err(e) => {
-                    let e = self.core.consume_failure(&self.consumer, e);
+                    let e = self.core.consume_failure(&*self.consumer, e);
                     self.core.lock().fail(e.to_string());
                     return Err(e);
                 }
@@ -626,6 +715,9 @@ impl GuardedPipeline {
                 return Ok(());
             }
         }
+        // Not a single output more once this instance may have lost its
+        // partitions.
+        self.core.check_lease(&*self.consumer)?;
         let src = SourcePosition {
             topic: topic.to_owned(),
             partition,
@@ -702,7 +794,10 @@ impl GuardedPipeline {
                 return Err(Error::Stopped(msg));
             }
         }
-        Ok(())
+        // A pause between the check above and the sends (a frozen process
+        // thawed, say) shows here: the outputs just queued are purged
+        // before librdkafka's linger lets them go.
+        self.core.check_lease(&*self.consumer)
     }
 
     fn check_failure(&self) -> Result<()> {
@@ -731,8 +826,8 @@ impl GuardedPipeline {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let tpl = self.core.lock().checkpoint(None)?;
-        self.core.commit(&self.consumer, &tpl, mode)?;
+        let tpl = self.core.lock().checkpoint(None, false)?;
+        self.core.commit(&*self.consumer, &tpl, mode)?;
         metrics::counter!("replayguard_checkpoints_total").increment(1);
         metrics::histogram!("replayguard_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());

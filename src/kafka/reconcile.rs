@@ -68,7 +68,7 @@ impl Reconciler {
         let mut s = core.lock();
         let sink = s.sink.get_or_insert_with(|| SinkPositions {
             topic: self.topic.clone(),
-            ends: BTreeMap::new(),
+            ..SinkPositions::default()
         });
         for (p, hi) in scanned {
             let e = sink.ends.entry(*p).or_insert(*hi);
@@ -100,6 +100,18 @@ impl Reconciler {
                 .reader
                 .fetch_watermarks(&self.topic, p, self.timeout)
                 .map_err(kafka("reading output watermarks"))?;
+            if let Some(known) = from
+                && hi < known
+            {
+                return Err(Error::TopicRewound {
+                    topic: self.topic.clone(),
+                    partition: p,
+                    end: hi,
+                    known,
+                    done: "written",
+                    risk: "take outputs of the old topic for written and miss the crash window's",
+                });
+            }
             let from = from.unwrap_or(lo).max(lo);
             tracing::debug!(partition = p, from, lo, hi, "reconcile range");
             scanned.insert(p, hi);

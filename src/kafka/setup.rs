@@ -89,11 +89,83 @@ pub(crate) fn guarded_consumer_config(user: &ClientConfig, instance: &str) -> Re
         if cfg.get("session.timeout.ms").is_none() {
             cfg.set("session.timeout.ms", "6000");
         }
+        // A heartbeat every sixth of the session (librdkafka's 3 s at
+        // most) keeps the lease, the session timeout less the heartbeat
+        // interval less a margin, at 4 s of a 6 s session.
+        if cfg.get("heartbeat.interval.ms").is_none() {
+            let session = millis(&cfg, "session.timeout.ms", 45_000);
+            let beat = (session / 6).min(Duration::from_secs(3));
+            cfg.set("heartbeat.interval.ms", beat.as_millis().to_string());
+        }
     }
     if cfg.get("auto.offset.reset").is_none() {
         cfg.set("auto.offset.reset", "earliest");
     }
     Ok(cfg)
+}
+
+/// A millisecond setting of `cfg`, or `default` when unset or unreadable.
+fn millis(cfg: &ClientConfig, key: &str, default: u64) -> Duration {
+    Duration::from_millis(
+        cfg.get(key)
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(default),
+    )
+}
+
+/// The longest stall an instance survives as a member, its lease on its
+/// partitions: the session timeout, less the heartbeat interval (the
+/// coordinator may have had the last heartbeat that much before the stall
+/// began), less a tenth or at least a second for delays. Under the new
+/// group protocol the session timeout is the broker's and unknown here, so
+/// the lease is 5 s, below any broker's minimum session timeout less its
+/// heartbeat interval that this project's tests met.
+pub(crate) fn lease_length(consumer: &ClientConfig) -> Duration {
+    if uses_consumer_protocol(consumer) {
+        return Duration::from_secs(5);
+    }
+    // librdkafka's defaults.
+    let session = millis(consumer, "session.timeout.ms", 45_000);
+    let heartbeat = millis(consumer, "heartbeat.interval.ms", 3_000);
+    let margin = (session / 10).max(Duration::from_secs(1));
+    session
+        .saturating_sub(heartbeat)
+        .saturating_sub(margin)
+        .max(Duration::from_millis(500))
+}
+
+/// The output producer's delivery bound: `message.timeout.ms` (or its alias
+/// `delivery.timeout.ms`) as the user set it, else `default`, which is then
+/// set. `request.timeout.ms` defaults to at most 5 s. Returns how long an
+/// output handed to librdkafka can still reach the broker: the delivery
+/// bound, the request timeout, and a second of librdkafka's timeout-scan
+/// granularity.
+pub(crate) fn bound_delivery(producer: &mut ClientConfig, default: Duration) -> Duration {
+    let delivery = match producer
+        .get("message.timeout.ms")
+        .or_else(|| producer.get("delivery.timeout.ms"))
+    {
+        Some(_) => millis(producer, "message.timeout.ms", 0).max(millis(
+            producer,
+            "delivery.timeout.ms",
+            0,
+        )),
+        None => {
+            producer.set("message.timeout.ms", default.as_millis().to_string());
+            default
+        }
+    };
+    let request = match producer.get("request.timeout.ms") {
+        Some(_) => millis(producer, "request.timeout.ms", 30_000),
+        None => {
+            let r = delivery
+                .min(Duration::from_secs(5))
+                .max(Duration::from_millis(100));
+            producer.set("request.timeout.ms", r.as_millis().to_string());
+            r
+        }
+    };
+    delivery + request + Duration::from_secs(1)
 }
 
 /// Whether a configuration uses the broker-side group protocol of KIP-848
@@ -129,7 +201,24 @@ pub(crate) fn idempotent_producer_config(cfg: &ClientConfig) -> Result<ClientCon
 /// The static membership id of a state folder: a token created with the
 /// folder, stable across restarts. Two live instances cannot share it,
 /// because the folder is locked by its guard.
-pub(crate) fn instance_id(state: &Path, group: &str) -> Result<String> {
+///
+/// It also names the subscribed topics (a hash of them): a static member
+/// that rejoins with another subscription gets its old assignment back
+/// without a rebalance (seen on Apache Kafka 4.4), so an added input would
+/// never be assigned; with another id it joins as a new member.
+pub(crate) fn instance_id(state: &Path, group: &str, topics: &[String]) -> Result<String> {
+    let mut sorted: Vec<&str> = topics.iter().map(String::as_str).collect();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let subscription = xxhash_rust::xxh3::xxh3_64(sorted.join("\n").as_bytes()) as u32;
+    Ok(format!(
+        "replayguard-{group}-{}-{subscription:08x}",
+        instance_token(state)?
+    ))
+}
+
+/// The token of a state folder, created with it.
+pub(crate) fn instance_token(state: &Path) -> Result<String> {
     let file = state.join("instance-id");
     let token = match std::fs::read_to_string(&file) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_owned(),
@@ -148,7 +237,7 @@ pub(crate) fn instance_id(state: &Path, group: &str) -> Result<String> {
             t
         }
     };
-    Ok(format!("replayguard-{group}-{token}"))
+    Ok(token)
 }
 
 /// A client context that keeps the first client-wide error that means the

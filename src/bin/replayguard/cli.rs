@@ -31,6 +31,27 @@ pub enum Command {
     Pipe(PipeArgs),
     Consume(ConsumeArgs),
     Inspect(InspectArgs),
+    Reset(ResetArgs),
+}
+
+/// Empty a stopped instance's state folder, so that it can start over,
+/// for this job or another.
+///
+/// Everything the folder remembers goes: positions, identities, its job.
+/// A pipeline started on it again resumes from its group's committed
+/// offsets and reconciles its output from there; a consumer resumes from
+/// the group's offsets and has forgotten which records it delivered.
+///
+/// Example: `replayguard reset --state /var/lib/replayguard/copy --yes`
+#[derive(Debug, Args)]
+pub struct ResetArgs {
+    /// The state folder.
+    #[arg(long, value_name = "DIR")]
+    pub state: PathBuf,
+
+    /// Confirm: without it nothing is removed.
+    #[arg(long)]
+    pub yes: bool,
 }
 
 /// Options shared by `pipe` and `consume`.
@@ -81,6 +102,21 @@ pub struct GuardArgs {
     /// each).
     #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub connect_attempts: u32,
+
+    /// The longest stall (the process frozen or starved) after which this
+    /// instance still hands on work; after a longer one it stops (default:
+    /// the session timeout less the heartbeat interval less a margin, 4 s
+    /// with the defaults; 5 s with `-X group.protocol=consumer`). Keep it
+    /// below the time the broker takes to expire a silent member.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub lease: Option<Duration>,
+
+    /// Hand the state folder to this job even if it belongs to another
+    /// (another group, output, or no input in common): its positions and
+    /// identities are then taken as this job's. The identity cannot change
+    /// this way; that needs a new folder (or `replayguard reset`).
+    #[arg(long)]
+    pub rebind: bool,
 }
 
 /// Copy records from an input topic to an output topic, each exactly once.
@@ -114,6 +150,13 @@ pub struct PipeArgs {
     /// `transactional`: Kafka transactions committed at every checkpoint.
     #[arg(long, value_name = "MODE", default_value = "guarded", value_parser = parse_mode)]
     pub mode: Mode,
+
+    /// How long an output may take to reach the broker before the run
+    /// stops with an error. It also bounds how long a new owner waits
+    /// after an unclean handover (this, plus the producer's request
+    /// timeout, plus 1 s).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub delivery_timeout: Duration,
 }
 
 /// Print each fresh record of a topic once, and mark it handled once

@@ -48,6 +48,15 @@ impl Failure {
     pub fn starting(e: Error) -> Self {
         match e {
             Error::Config(_) => Failure::usage(e),
+            e @ Error::JobMismatch { .. } => {
+                let path = match &e {
+                    Error::JobMismatch { path, .. } => path.display().to_string(),
+                    _ => String::new(),
+                };
+                Failure::runtime(format!(
+                    "{e} (--rebind hands the folder to this job; `replayguard reset --state {path} --yes` empties it)"
+                ))
+            }
             e => Failure::runtime(e),
         }
     }
@@ -59,23 +68,71 @@ impl From<Error> for Failure {
     }
 }
 
-/// The consumer configuration: every `-X`, then `--brokers` and `--group`.
+/// Properties only a producer reads; the consumer does not get them.
+fn producer_only(k: &str) -> bool {
+    matches!(
+        k,
+        "linger.ms"
+            | "acks"
+            | "request.required.acks"
+            | "enable.idempotence"
+            | "message.timeout.ms"
+            | "delivery.timeout.ms"
+            | "request.timeout.ms"
+            | "transactional.id"
+            | "transaction.timeout.ms"
+            | "compression.type"
+            | "compression.codec"
+            | "compression.level"
+            | "partitioner"
+            | "retries"
+            | "message.send.max.retries"
+            | "sticky.partitioning.linger.ms"
+    ) || k.starts_with("queue.buffering.")
+        || k.starts_with("batch.")
+}
+
+/// Properties only a consumer reads; the producer does not get them.
+fn consumer_only(k: &str) -> bool {
+    matches!(
+        k,
+        "session.timeout.ms"
+            | "heartbeat.interval.ms"
+            | "partition.assignment.strategy"
+            | "auto.offset.reset"
+            | "isolation.level"
+            | "max.poll.interval.ms"
+            | "enable.partition.eof"
+            | "check.crcs"
+            | "auto.commit.interval.ms"
+            | "enable.auto.commit"
+            | "enable.auto.offset.store"
+    ) || k.starts_with("group.")
+        || k.starts_with("fetch.")
+        || k.starts_with("queued.")
+        || k.starts_with("consume.")
+}
+
+/// The consumer configuration: every `-X` a consumer reads, then
+/// `--brokers` and `--group`.
 pub fn consumer_config(args: &GuardArgs) -> ClientConfig {
     let mut cfg = ClientConfig::new();
     for (k, v) in &args.properties {
-        cfg.set(k, v);
+        if !producer_only(k) {
+            cfg.set(k, v);
+        }
     }
     cfg.set("bootstrap.servers", &args.brokers);
     cfg.set("group.id", &args.group);
     cfg
 }
 
-/// The producer configuration: `--brokers` and every `-X` (librdkafka
-/// ignores consumer-only properties, with a log line).
+/// The producer configuration: `--brokers` and every `-X` a producer
+/// reads (librdkafka would warn about the others).
 pub fn producer_config(args: &GuardArgs) -> ClientConfig {
     let mut cfg = ClientConfig::new();
     for (k, v) in &args.properties {
-        if k != "group.id" {
+        if !consumer_only(k) {
             cfg.set(k, v);
         }
     }

@@ -32,6 +32,10 @@ pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
         .retention_time(g.retention_time)
         .stop_at_end(g.stop_at_end)
         .connect_attempts(g.connect_attempts);
+    if let Some(lease) = g.lease {
+        builder = builder.lease(lease);
+    }
+    builder = builder.rebind(g.rebind);
     for topic in &args.topic {
         builder = builder.topic(topic);
     }

@@ -16,6 +16,8 @@ use crate::common::{self, Failure};
 struct Report {
     path: String,
     format: u32,
+    /// The job the folder belongs to, once it has run one.
+    job: Option<replayguard::Job>,
     /// The open epoch (the number of the last checkpoint).
     epoch: u64,
     checkpointed_at_ms: Option<u64>,
@@ -129,9 +131,11 @@ fn read(path: &Path) -> Result<Report, Failure> {
             row
         })
         .collect();
+    let job = replayguard::job::recorded(path).map_err(Failure::runtime)?;
     Ok(Report {
         path: path.display().to_string(),
         format: manifest.as_ref().map_or(FORMAT_VERSION, |m| m.format),
+        job,
         epoch: guard.epoch(),
         checkpointed_at_ms: manifest.as_ref().map(|m| m.checkpointed_at_ms),
         positions,
@@ -171,6 +175,10 @@ fn table(r: &Report) -> String {
     };
     t += &format!("state folder  {}\n", r.path);
     t += &format!("format        {}\n", r.format);
+    match &r.job {
+        Some(job) => t += &format!("job           {job}\n"),
+        None => t += "job           none recorded yet\n",
+    }
     t += &format!("epoch         {} ({checkpoint})\n", r.epoch);
     t += &format!("on disk       {} bytes\n", r.disk_bytes);
     t += &format!(

@@ -15,6 +15,7 @@ mod format;
 mod inspect;
 mod pipe;
 mod progress;
+mod reset;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -56,6 +57,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Pipe(args) => pipe::run(args).await,
         Command::Consume(args) => consume::run(args).await,
         Command::Inspect(args) => inspect::run(&args),
+        Command::Reset(args) => reset::run(&args),
     }
 }
 

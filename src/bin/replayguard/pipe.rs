@@ -19,12 +19,17 @@ pub async fn run(args: PipeArgs) -> Result<(), Failure> {
         .output(&args.output)
         .producer_config(common::producer_config(g))
         .mode(args.mode)
+        .delivery_timeout(args.delivery_timeout)
         .identity(g.identity.clone())
         .checkpoint_interval(g.checkpoint_interval)
         .retention_epochs(g.retention_epochs)
         .retention_time(g.retention_time)
         .stop_at_end(g.stop_at_end)
         .connect_attempts(g.connect_attempts);
+    if let Some(lease) = g.lease {
+        builder = builder.lease(lease);
+    }
+    builder = builder.rebind(g.rebind);
     for input in &args.input {
         builder = builder.input(input);
     }
