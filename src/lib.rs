@@ -101,6 +101,6 @@ pub mod store;
 
 pub use error::{Error, Result, StoreError};
 pub use fingerprint::{Fingerprint, Identity, IdentityFn};
-pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Stats, Verdict};
+pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Probe, Stats, Verdict};
 pub use index::Reason;
 pub use store::{Durability, LaneName, Manifest};
