@@ -83,10 +83,16 @@
 //! ## Layout
 //!
 //! - [`fingerprint`]: identity extraction and hashing.
-//! - `index`: the in-memory sets per (lane, epoch).
-//! - [`store`]: fjall-backed chunks and the manifest, with the format version.
-//! - `guard`: the engine ([`Guard`]): check, record, checkpoint, recover.
-//!   It has no Kafka types.
+//! - `index`: what each lane handled, over all its live epochs at once: one
+//!   epoch-tagged hash table and a few roaring bitmaps per lane, so a
+//!   lookup costs the same with 1 live epoch or thousands, and a filter in
+//!   front of the hashes of sealed epochs kept on disk.
+//! - [`store`]: fjall-backed chunks and the manifest, with the format
+//!   version, and the on-disk index of sealed epochs' hashes.
+//! - `guard`: the engine ([`Guard`]): check, record, checkpoint, recover,
+//!   one record at a time or a batch at a time ([`Guard::check_many`],
+//!   [`Guard::record_many`]), within an optional memory budget
+//!   ([`GuardBuilder::max_memory_bytes`]). It has no Kafka types.
 //! - [`kafka`]: the rdkafka adapters.
 
 #![deny(clippy::unwrap_used, clippy::expect_used)]

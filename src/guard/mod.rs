@@ -527,7 +527,7 @@ impl Guard {
     fn lane_ref(&self, lane: LaneId) -> Result<&Lane> {
         self.lanes
             .get(lane.0 as usize)
-            .ok_or(Error::UnknownLane(lane.0))
+            .ok_or_else(|| Error::UnknownLane(lane.0))
     }
 
     /// Was this record handled within the retention? Does not record it.
@@ -584,7 +584,7 @@ impl Guard {
     /// # Ok(()) }
     /// ```
     pub fn check_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
-        self.batch(probes, verdicts, Self::check_one)
+        self.batch(probes, verdicts, false)
     }
 
     /// [`Guard::record`] for a batch of records, with the prefetching of
@@ -598,66 +598,87 @@ impl Guard {
     /// after an error, the probes before it are recorded and `verdicts`
     /// holds their verdicts.
     pub fn record_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
-        self.batch(probes, verdicts, Self::record_one)
+        self.batch(probes, verdicts, true)
     }
 
-    fn batch(
-        &mut self,
-        probes: &[Probe],
-        verdicts: &mut Vec<Verdict>,
-        mut each: impl FnMut(&mut Self, usize, Option<u64>, Option<Fingerprint>) -> Result<Verdict>,
-    ) -> Result<()> {
+    fn batch(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>, record: bool) -> Result<()> {
         self.ready()?;
         verdicts.clear();
-        for p in probes {
-            self.lane_ref(p.lane)?;
+        if let Some(bad) = probes
+            .iter()
+            .find(|p| p.lane.0 as usize >= self.lanes.len())
+        {
+            return Err(Error::UnknownLane(bad.lane.0));
         }
         verdicts.reserve(probes.len());
         let far = PREFETCH_AHEAD;
         let near = PREFETCH_AHEAD / 2;
-        for p in probes.iter().take(far) {
-            self.lanes[p.lane.0 as usize].index.prefetch_filters(p.fp);
-        }
-        for p in probes.iter().take(near) {
-            self.lanes[p.lane.0 as usize].index.prefetch_slots(p.fp);
+        let prefetch = |lanes: &[Lane], q: Option<&Probe>, slots: bool| {
+            if let Some(q) = q
+                && let Some(l) = lanes.get(q.lane.0 as usize)
+            {
+                if slots {
+                    l.index.prefetch_slots(q.fp);
+                } else {
+                    l.index.prefetch_filters(q.fp);
+                }
+            }
+        };
+        for i in 0..far.min(probes.len()) {
+            prefetch(&self.lanes, probes.get(i), false);
+            if i < near {
+                prefetch(&self.lanes, probes.get(i), true);
+            }
         }
         for (i, p) in probes.iter().enumerate() {
-            if let Some(q) = probes.get(i + far) {
-                self.lanes[q.lane.0 as usize].index.prefetch_filters(q.fp);
-            }
-            if let Some(q) = probes.get(i + near) {
-                self.lanes[q.lane.0 as usize].index.prefetch_slots(q.fp);
-            }
-            let v = each(self, p.lane.0 as usize, p.offset, p.fp)?;
+            prefetch(&self.lanes, probes.get(i + far), false);
+            prefetch(&self.lanes, probes.get(i + near), true);
+            let lane = p.lane.0 as usize;
+            let found = self.find(lane, p.offset, p.fp)?;
+            let v = if record {
+                self.record_found(lane, p.offset, p.fp, found)?
+            } else {
+                self.stats.checked += 1;
+                self.count(found)
+            };
             verdicts.push(v);
         }
         Ok(())
     }
 
     /// Looks a record up in memory and, when the filter in front of the
-    /// disk lets its hash through, on disk.
+    /// disk lets its hash through, on disk. Only the disk read can fail.
+    #[inline]
     fn find(
         &mut self,
         lane: usize,
         offset: Option<u64>,
         fp: Option<Fingerprint>,
     ) -> Result<Option<(Reason, u64)>> {
-        let index = &self.lanes[lane].index;
-        match index.lookup(offset, fp) {
+        match self.lanes[lane].index.lookup(offset, fp) {
             Lookup::Found(r, e) => Ok(Some((r, e))),
             Lookup::Fresh => Ok(None),
-            Lookup::Disk { key, position } => {
-                self.stats.disk_reads += 1;
-                let content = self
-                    .store
-                    .sealed_get(lane as u32, key)?
-                    .filter(|&e| index.disk_epoch_is_live(e));
-                if content.is_some() {
-                    self.stats.disk_hits += 1;
-                }
-                Ok(resolve(position, content))
-            }
+            Lookup::Disk { key, position } => self.read_disk(lane, key, position),
         }
+    }
+
+    #[cold]
+    fn read_disk(
+        &mut self,
+        lane: usize,
+        key: u128,
+        position: Option<u64>,
+    ) -> Result<Option<(Reason, u64)>> {
+        self.stats.disk_reads += 1;
+        let index = &self.lanes[lane].index;
+        let content = self
+            .store
+            .sealed_get(lane as u32, key)?
+            .filter(|&e| index.disk_epoch_is_live(e));
+        if content.is_some() {
+            self.stats.disk_hits += 1;
+        }
+        Ok(resolve(position, content))
     }
 
     fn check_one(
@@ -671,6 +692,7 @@ impl Guard {
         Ok(self.count(found))
     }
 
+    #[inline]
     fn count(&mut self, found: Option<(Reason, u64)>) -> Verdict {
         match found {
             None => Verdict::Fresh,
@@ -713,8 +735,21 @@ impl Guard {
         offset: Option<u64>,
         fp: Option<Fingerprint>,
     ) -> Result<Verdict> {
-        if let Some(found) = self.find(lane, offset, fp)? {
-            return Ok(self.count(Some(found)));
+        let found = self.find(lane, offset, fp)?;
+        self.record_found(lane, offset, fp, found)
+    }
+
+    /// Records a looked-up record unless it was found.
+    #[inline]
+    fn record_found(
+        &mut self,
+        lane: usize,
+        offset: Option<u64>,
+        fp: Option<Fingerprint>,
+        found: Option<(Reason, u64)>,
+    ) -> Result<Verdict> {
+        if found.is_some() {
+            return Ok(self.count(found));
         }
         let epoch = self.epoch;
         let l = &mut self.lanes[lane];

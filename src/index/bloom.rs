@@ -14,7 +14,7 @@
 //! A wrong "maybe" only costs a disk read that finds nothing (or an
 //! entry of a dropped epoch, which does not count).
 
-use super::table::{TAG_BITS, prefetch};
+use super::table::{TAG_BITS, advise_huge_pages, prefetch};
 
 /// Bits spent per hash at the filter's capacity.
 const BITS_PER_HASH: usize = 10;
@@ -44,8 +44,10 @@ impl DiskFilter {
     pub fn with_capacity(capacity: u64) -> Self {
         let capacity = capacity.max(1024);
         let blocks = (capacity as usize * BITS_PER_HASH).div_ceil(512);
+        let blocks = vec![Block::default(); blocks].into_boxed_slice();
+        advise_huge_pages(&blocks);
         DiskFilter {
-            blocks: vec![Block::default(); blocks].into_boxed_slice(),
+            blocks,
             capacity,
             inserted: 0,
         }

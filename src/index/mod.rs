@@ -172,10 +172,13 @@ pub struct LaneIndex {
     floor: u64,
     /// Live epochs that handled something, oldest first.
     epochs: VecDeque<EpochIndex>,
-    /// Union of the offsets of the sealed epochs.
+    /// Union of the offsets of the sealed epochs, and its range: a record
+    /// past it (the usual fresh record) skips the bitmap.
     sealed_offsets: RoaringTreemap,
-    /// Union of the ids of the sealed epochs.
+    sealed_offset_range: Option<(u64, u64)>,
+    /// Union of the ids of the sealed epochs, and its range.
     sealed_ids: RoaringTreemap,
+    sealed_id_range: Option<(u64, u64)>,
     /// Hashes kept on disk.
     disk: DiskTier,
     /// Live content fingerprints (hashes and ids) and offsets.
@@ -232,7 +235,7 @@ impl LaneIndex {
         {
             return Some(last.epoch);
         }
-        if !self.sealed_offsets.contains(offset) {
+        if !in_range(self.sealed_offset_range, offset) || !self.sealed_offsets.contains(offset) {
             return None;
         }
         self.epochs
@@ -250,7 +253,7 @@ impl LaneIndex {
         {
             return Some(last.epoch);
         }
-        if !self.sealed_ids.contains(id) {
+        if !in_range(self.sealed_id_range, id) || !self.sealed_ids.contains(id) {
             return None;
         }
         self.epochs
@@ -376,7 +379,15 @@ impl LaneIndex {
             if let Some(i) = id {
                 self.sealed_ids.insert(i);
             }
+            self.refresh_ranges();
         }
+    }
+
+    /// Re-reads the ranges of the sealed unions after they changed.
+    fn refresh_ranges(&mut self) {
+        let range = |b: &RoaringTreemap| b.min().zip(b.max());
+        self.sealed_offset_range = range(&self.sealed_offsets);
+        self.sealed_id_range = range(&self.sealed_ids);
     }
 
     /// Merges a bitmap of offsets into `epoch` (on load, and for offsets
@@ -396,6 +407,7 @@ impl LaneIndex {
         self.live_offsets += added;
         if sealed {
             self.sealed_offsets |= offsets;
+            self.refresh_ranges();
         }
     }
 
@@ -415,6 +427,7 @@ impl LaneIndex {
         self.live_fps += added;
         if sealed {
             self.sealed_ids |= ids;
+            self.refresh_ranges();
         }
     }
 
@@ -454,6 +467,7 @@ impl LaneIndex {
         }
         self.sealed_offsets.optimize();
         self.sealed_ids.optimize();
+        self.refresh_ranges();
         self.sealed_bitmap_bytes = bytes;
     }
 
@@ -476,6 +490,7 @@ impl LaneIndex {
             self.sealed_ids |= &last.ids;
             self.sealed_offsets.optimize();
             self.sealed_ids.optimize();
+            self.refresh_ranges();
         }
         self.open = next;
     }
@@ -518,6 +533,7 @@ impl LaneIndex {
                 self.disk.live = self.disk.live.saturating_sub(e.hashes);
             }
         }
+        self.refresh_ranges();
         self.oldest = self.oldest.max(oldest_live);
         self.floor = self.floor.max(self.oldest);
         self.maybe_purge();
