@@ -492,7 +492,9 @@ fn epochs(c: &mut Criterion<ThreadCpu>) {
     group.finish();
 }
 
-/// The record path with 1 and with 17 live epochs.
+/// The record path with 1 and with 17 live epochs: fresh records with
+/// offsets and content, an (untimed) checkpoint every 200,000 records, so
+/// the number of live epochs stays as it is.
 fn record(c: &mut Criterion<ThreadCpu>) {
     if !wanted("record") {
         return;
@@ -502,7 +504,7 @@ fn record(c: &mut Criterion<ThreadCpu>) {
     group
         .sample_size(20)
         .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3))
+        .measurement_time(Duration::from_secs(5))
         .throughput(Throughput::Elements(BATCH as u64));
     let mut keep = Vec::new();
     for retention in [0u32, 16] {
@@ -512,34 +514,84 @@ fn record(c: &mut Criterion<ThreadCpu>) {
             .open()
             .expect("open");
         let lane = g.lane("bench", 0);
+        // Precomputed fingerprints, so that xxh3 is not timed.
+        let pool: Vec<Fingerprint> = (0..8_000_000).map(fp).collect();
         let mut next = 0u64;
+        let mut at = 0usize;
         for _ in 0..=retention {
             for _ in 0..PER {
-                g.record(lane, Some(next), Some(fp(next))).expect("record");
+                g.record(lane, Some(next), Some(pool[at])).expect("record");
                 next += 1;
+                at += 1;
             }
             g.checkpoint(&[(lane, next)], Vec::new())
                 .expect("checkpoint");
         }
         let live = g.stats().live_epochs;
-        // Precomputed fingerprints, so that xxh3 is not timed.
-        let pool: Vec<Fingerprint> = (next..next + 6_000_000).map(fp).collect();
-        let mut at = 0usize;
         group.bench_function(format!("{live}-live-epochs"), |b| {
-            b.iter(|| {
-                if at + BATCH > pool.len() {
-                    at = 0;
-                    next += pool.len() as u64;
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    if at + BATCH > pool.len() {
+                        // Past the pool: its fingerprints were dropped with
+                        // their epochs long ago, except the newest ones.
+                        at = 0;
+                        for _ in 0..=retention {
+                            g.checkpoint(&[(lane, next)], Vec::new())
+                                .expect("checkpoint");
+                        }
+                    }
+                    let started = thread_cpu_now();
+                    for &f in &pool[at..at + BATCH] {
+                        let v = g.record(lane, Some(next), Some(f)).expect("record");
+                        black_box(v);
+                        next += 1;
+                    }
+                    spent += thread_cpu_now().saturating_sub(started);
+                    at += BATCH;
+                    if next.is_multiple_of(PER) {
+                        g.checkpoint(&[(lane, next)], Vec::new())
+                            .expect("checkpoint");
+                    }
                 }
-                for (k, &f) in pool[at..at + BATCH].iter().enumerate() {
-                    let v = g
-                        .record(lane, Some(next + (at + k) as u64), Some(f))
-                        .expect("record");
-                    black_box(v);
-                }
-                at += BATCH;
+                spent
             })
         });
+        let mut verdicts = Vec::with_capacity(BATCH);
+        let mut probes: Vec<Probe> = Vec::with_capacity(BATCH);
+        group.bench_function(format!("{live}-live-epochs/batched"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    if at + BATCH > pool.len() {
+                        at = 0;
+                        for _ in 0..=retention {
+                            g.checkpoint(&[(lane, next)], Vec::new())
+                                .expect("checkpoint");
+                        }
+                    }
+                    probes.clear();
+                    probes.extend(
+                        pool[at..at + BATCH]
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &f)| Probe::new(lane, Some(next + k as u64), Some(f))),
+                    );
+                    let started = thread_cpu_now();
+                    g.record_many(&probes, &mut verdicts).expect("record_many");
+                    spent += thread_cpu_now().saturating_sub(started);
+                    assert!(verdicts.iter().all(|v| v.is_fresh()));
+                    next += BATCH as u64;
+                    at += BATCH;
+                    if next.is_multiple_of(PER) {
+                        g.checkpoint(&[(lane, next)], Vec::new())
+                            .expect("checkpoint");
+                    }
+                }
+                spent
+            })
+        });
+        assert_eq!(g.stats().live_epochs, live);
         keep.push(dir);
     }
     group.finish();

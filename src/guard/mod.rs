@@ -613,14 +613,16 @@ impl Guard {
         verdicts.reserve(probes.len());
         let far = PREFETCH_AHEAD;
         let near = PREFETCH_AHEAD / 2;
+        // A record that turns out fresh is inserted, so a batch of records
+        // fetches every slot; a batch of checks only those past the filter.
         let prefetch = |lanes: &[Lane], q: Option<&Probe>, slots: bool| {
             if let Some(q) = q
                 && let Some(l) = lanes.get(q.lane.0 as usize)
             {
-                if slots {
-                    l.index.prefetch_slots(q.fp);
-                } else {
-                    l.index.prefetch_filters(q.fp);
+                match (slots, record) {
+                    (false, _) => l.index.prefetch_filters(q.fp),
+                    (true, false) => l.index.prefetch_slots(q.fp),
+                    (true, true) => l.index.prefetch_insert(q.fp),
                 }
             }
         };

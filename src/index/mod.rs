@@ -331,6 +331,15 @@ impl LaneIndex {
         }
     }
 
+    /// Second stage of a batched record: fetches the slot the insert of
+    /// `fp` will write, whatever the filter says.
+    #[inline]
+    pub fn prefetch_insert(&self, fp: Option<Fingerprint>) {
+        if let Some(Fingerprint::Hash(h)) = fp {
+            self.hashes.prefetch_slot(h);
+        }
+    }
+
     /// Records a handled record in `epoch` (the open one, or on load an
     /// older one). The caller has looked it up first: inserting a duplicate
     /// is a logic error.
