@@ -86,7 +86,10 @@
 //! - `index`: what each lane handled, over all its live epochs at once: one
 //!   epoch-tagged hash table and a few roaring bitmaps per lane, so a
 //!   lookup costs the same with 1 live epoch or thousands, and a filter in
-//!   front of the hashes of sealed epochs kept on disk.
+//!   front of the hashes of sealed epochs kept on disk. The index compares
+//!   the top 104 bits of a 128-bit hash (the rest holds an epoch tag): at
+//!   1M records/s over a window of 1e9 identities, a false duplicate
+//!   about 4.3e-12 times a day.
 //! - [`store`]: fjall-backed chunks and the manifest, with the format
 //!   version, and the on-disk index of sealed epochs' hashes.
 //! - `guard`: the engine ([`Guard`]): check, record, checkpoint, recover,

@@ -950,10 +950,12 @@ impl Guard {
         self.store.set_oldest_live(self.oldest);
         for l in &mut self.lanes {
             l.next_seq = 0;
-            l.index.close(next);
+            // Drop first: an epoch closed and dropped at once (the default
+            // retention) is never packed.
             if !dropped.is_empty() {
                 l.index.drop_before(keep_from);
             }
+            l.index.close(next);
         }
         for (id, chunk) in &carried {
             let l = &mut self.lanes[*id as usize];

@@ -330,7 +330,7 @@ impl FpTable {
             } else {
                 self.homes + self.homes / 5
             };
-            self.rebuild(grown);
+            self.grow(grown);
         }
         loop {
             let from = home_of(key, self.homes);
@@ -362,7 +362,7 @@ impl FpTable {
                     return Insert::Added;
                 }
                 // The cluster would take the last slot: grow, then retry.
-                _ => self.rebuild(self.homes + self.homes / 5 + 16),
+                _ => self.grow(self.homes + self.homes / 5 + 16),
             }
         }
     }
@@ -413,7 +413,7 @@ impl FpTable {
             len,
             zero,
         };
-        t.refill();
+        t.refill_with(true);
         t
     }
 
@@ -446,9 +446,13 @@ impl FpTable {
             kept += 1;
         }
         self.len = kept;
+        if self.is_empty() {
+            *self = FpTable::default();
+            return before;
+        }
         let packed = kept * 100 / PACKED_LOAD_PCT + 1;
         if packed * 4 < self.homes * 3 {
-            self.rebuild(packed);
+            self.grow(packed);
         } else {
             self.refill();
         }
@@ -481,19 +485,36 @@ impl FpTable {
         )
     }
 
-    /// Lays the entries out again over `homes` home slots (at least).
+    /// [`FpTable::rebuild`] for a table that grows under inserts or is
+    /// purged: no huge-page advice, which would cost a copy (or, asked
+    /// for ahead, page faults that compact memory) every time.
+    fn grow(&mut self, homes: usize) {
+        let slots = std::mem::take(&mut self.slots).into_vec();
+        (self.slots, self.homes) = lay_out(slots, homes);
+        self.refill_with(false);
+    }
+
+    /// Lays the entries out again over `homes` home slots (at least), for
+    /// a table that is then mostly read: its pages are collapsed into huge
+    /// pages.
     fn rebuild(&mut self, homes: usize) {
         let slots = std::mem::take(&mut self.slots).into_vec();
         (self.slots, self.homes) = lay_out(slots, homes);
         advise_huge_pages(&self.slots);
-        self.refill();
+        self.refill_with(true);
     }
 
     /// Sizes the filter for the home slots and sets every entry's bits.
     fn refill(&mut self) {
+        self.refill_with(false);
+    }
+
+    fn refill_with(&mut self, huge: bool) {
         let words = filter_words(self.homes);
         let mut filter = vec![0u64; words].into_boxed_slice();
-        advise_huge_pages(&filter);
+        if huge {
+            advise_huge_pages(&filter);
+        }
         for &h in self.slots.iter().filter(|&&s| s != 0) {
             let (word, bits) = filter_bits(h, words);
             filter[word] |= bits;
@@ -508,7 +529,6 @@ impl FpTable {
     }
 
     /// Whether the table is empty.
-    #[cfg_attr(not(test), expect(dead_code, reason = "clippy wants it beside len"))]
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
