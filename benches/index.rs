@@ -4,7 +4,21 @@
 //! dense offset, checked against what the allocator really handed out.
 //!
 //! `REPLAYGUARD_BENCH_N` sets the number of live fingerprints (default
-//! 1,000,000; the targets are stated for 10,000,000).
+//! 1,000,000; the targets are stated for 10,000,000, and the
+//! disk tier's for 100,000,000). `REPLAYGUARD_BENCH_ONLY` runs only the
+//! named groups (comma-separated: `check`, `epochs`, `record`, `disk`,
+//! `memory`).
+//!
+//! - `check`: `Guard::check` and `Guard::check_many` (batched) against N
+//!   fingerprints, in the open table and sealed.
+//! - `epochs`: 3,600,000 fingerprints as one sealed epoch and as 3,600
+//!   epochs of 1,000 (one checkpoint each, `retention_time` 1 h), checked
+//!   in the same run, so their ratio is the cost of many live epochs.
+//! - `record`: `Guard::record` of fresh records with 1 and with 17 live
+//!   epochs of 200,000 records, in the same run.
+//! - `disk`: N fingerprints in 10 epochs with a memory budget of 0, so the
+//!   9 sealed ones are on disk: memory per fingerprint (estimate,
+//!   allocator and the process's resident set), and checks.
 //!
 //! Times are the benchmarking thread's CPU time, not wall time: the target
 //! is per core, and on a shared 2-core machine wall time also counts the
@@ -18,7 +32,7 @@ use std::time::Duration;
 
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use replayguard::{Fingerprint, Guard, LaneId};
+use replayguard::{Fingerprint, Guard, LaneId, Probe, Verdict};
 
 /// Counts the bytes live on the heap, to check `Guard::memory_bytes`.
 struct Counting;
@@ -153,6 +167,11 @@ fn probes(n: u64, hit: bool) -> Vec<Fingerprint> {
 
 const BATCH: usize = 10_000;
 
+/// Whether the group `name` is to run.
+fn wanted(name: &str) -> bool {
+    std::env::var("REPLAYGUARD_BENCH_ONLY").map_or(true, |v| v.split(',').any(|g| g == name))
+}
+
 /// Benches `check` over the probes, `BATCH` at a time, moving through them.
 /// With `with_offset`, each probe also carries a new offset, as a record
 /// does: "hit" is then an upstream resend (same content, new offset) and
@@ -189,11 +208,41 @@ fn bench_checks(
                 black_box(fresh)
             })
         });
+        let batches: Vec<Vec<Probe>> = probes
+            .chunks(BATCH)
+            .enumerate()
+            .map(|(c, chunk)| {
+                let at = (c * BATCH) as u64;
+                chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &p)| {
+                        let offset = with_offset.then_some((n + at + k as u64) * 2);
+                        Probe::new(lane, offset, Some(p))
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut verdicts: Vec<Verdict> = Vec::with_capacity(BATCH);
+        let mut next = 0;
+        group.bench_function(format!("{name}/batched"), |b| {
+            b.iter(|| {
+                let batch = &batches[next % batches.len()];
+                next += 1;
+                g.check_many(batch, &mut verdicts).expect("check_many");
+                let fresh = verdicts.iter().filter(|v| v.is_fresh()).count();
+                assert_eq!(fresh == 0, hit);
+                black_box(fresh)
+            })
+        });
     }
     group.finish();
 }
 
 fn check(c: &mut Criterion<ThreadCpu>) {
+    if !wanted("check") {
+        return;
+    }
     let n = n();
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut g, lane) = filled(dir.path(), n, 1);
@@ -248,6 +297,9 @@ fn settle() {
 /// measured as the net change over a checkpoint that writes nothing but
 /// the manifest.
 fn memory(_c: &mut Criterion<ThreadCpu>) {
+    if !wanted("memory") {
+        return;
+    }
     let m = n().min(9_999_999);
     let dir = tempfile::tempdir().expect("tempdir");
     let mut g = Guard::builder(dir.path())
@@ -317,9 +369,301 @@ fn report(what: &str, n: u64, estimate: usize, actual: isize) {
     );
 }
 
+/// Fresh and known probes over `0..n` and `n..2n`, as batches of probes.
+fn probe_batches(lane: LaneId, n: u64, hit: bool, count: usize) -> Vec<Vec<Probe>> {
+    let step = 0x9e37_79b9_7f4a_7c15_u64 | 1;
+    (0..count as u64)
+        .map(|i| {
+            let j = i.wrapping_mul(step) % n;
+            Probe::new(lane, None, Some(if hit { fp(j) } else { fp(n + j) }))
+        })
+        .collect::<Vec<_>>()
+        .chunks(BATCH)
+        .map(<[Probe]>::to_vec)
+        .collect()
+}
+
+/// Benches checks of `batches` one batch per iteration, batched and one
+/// by one.
+fn bench_batches(
+    group: &mut criterion::BenchmarkGroup<'_, ThreadCpu>,
+    name: &str,
+    g: &mut Guard,
+    batches: &[Vec<Probe>],
+    hit: bool,
+) {
+    let mut verdicts = Vec::with_capacity(BATCH);
+    let mut next = 0;
+    group.bench_function(format!("{name}/batched"), |b| {
+        b.iter(|| {
+            let batch = &batches[next % batches.len()];
+            next += 1;
+            g.check_many(batch, &mut verdicts).expect("check_many");
+            let fresh = verdicts.iter().filter(|v| v.is_fresh()).count();
+            assert_eq!(fresh == 0, hit, "{name}");
+            black_box(fresh)
+        })
+    });
+    let mut next = 0;
+    group.bench_function(name, |b| {
+        b.iter(|| {
+            let batch = &batches[next % batches.len()];
+            next += 1;
+            let mut fresh = 0u32;
+            for p in batch {
+                fresh += u32::from(g.check(p.lane, p.offset, p.fp).expect("check").is_fresh());
+            }
+            assert_eq!(fresh == 0, hit, "{name}");
+            black_box(fresh)
+        })
+    });
+}
+
+fn quick_group<'a>(
+    c: &'a mut Criterion<ThreadCpu>,
+    name: &str,
+) -> criterion::BenchmarkGroup<'a, ThreadCpu> {
+    let mut group = c.benchmark_group(name);
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Elements(BATCH as u64));
+    group
+}
+
+/// The cliff of many live epochs: 3,600,000 fingerprints as 1 epoch and as
+/// 3,600 epochs of 1,000, like an hour of 1 s checkpoints at 1k records/s.
+fn epochs(c: &mut Criterion<ThreadCpu>) {
+    if !wanted("epochs") {
+        return;
+    }
+    const PER: u64 = 1_000;
+    const EPOCHS: u64 = 3_600;
+    let n = PER * EPOCHS;
+    let hour = Some(Duration::from_secs(3_600));
+    let one = tempfile::tempdir().expect("tempdir");
+    let mut g1 = Guard::builder(one.path())
+        .retention_time(hour)
+        .open()
+        .expect("open");
+    let lane1 = g1.lane("bench", 0);
+    for i in 0..n {
+        g1.record(lane1, Some(i), Some(fp(i))).expect("record");
+    }
+    g1.checkpoint(&[(lane1, n)], Vec::new())
+        .expect("checkpoint");
+    let many = tempfile::tempdir().expect("tempdir");
+    let mut gm = Guard::builder(many.path())
+        .retention_time(hour)
+        .open()
+        .expect("open");
+    let lanem = gm.lane("bench", 0);
+    let mut checkpoint_time = Duration::ZERO;
+    for e in 0..EPOCHS {
+        for i in e * PER..(e + 1) * PER {
+            gm.record(lanem, Some(i), Some(fp(i))).expect("record");
+        }
+        let started = std::time::Instant::now();
+        gm.checkpoint(&[(lanem, (e + 1) * PER)], Vec::new())
+            .expect("checkpoint");
+        if e >= EPOCHS - 100 {
+            checkpoint_time += started.elapsed();
+        }
+    }
+    assert_eq!(gm.stats().live_epochs, EPOCHS + 1);
+    eprintln!(
+        "epochs: the last 100 of {EPOCHS} checkpoints took {:.3} ms each (wall, fsync included)",
+        checkpoint_time.as_secs_f64() * 10.0
+    );
+    let mut group = quick_group(c, &format!("epochs/{n}"));
+    for (name, hit) in [("miss", false), ("hit", true)] {
+        let b1 = probe_batches(lane1, n, hit, 200_000);
+        let bm = probe_batches(lanem, n, hit, 200_000);
+        bench_batches(&mut group, &format!("1-epoch/{name}"), &mut g1, &b1, hit);
+        bench_batches(
+            &mut group,
+            &format!("{EPOCHS}-epochs/{name}"),
+            &mut gm,
+            &bm,
+            hit,
+        );
+    }
+    group.finish();
+}
+
+/// The record path with 1 and with 17 live epochs: fresh records with
+/// offsets and content, an (untimed) checkpoint every 200,000 records, so
+/// the number of live epochs stays as it is.
+fn record(c: &mut Criterion<ThreadCpu>) {
+    if !wanted("record") {
+        return;
+    }
+    const PER: u64 = 200_000;
+    let mut group = c.benchmark_group("record");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5))
+        .throughput(Throughput::Elements(BATCH as u64));
+    let mut keep = Vec::new();
+    for retention in [0u32, 16] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut g = Guard::builder(dir.path())
+            .retention_epochs(retention)
+            .open()
+            .expect("open");
+        let lane = g.lane("bench", 0);
+        // Precomputed fingerprints, so that xxh3 is not timed.
+        let pool: Vec<Fingerprint> = (0..8_000_000).map(fp).collect();
+        let mut next = 0u64;
+        let mut at = 0usize;
+        for _ in 0..=retention {
+            for _ in 0..PER {
+                g.record(lane, Some(next), Some(pool[at])).expect("record");
+                next += 1;
+                at += 1;
+            }
+            g.checkpoint(&[(lane, next)], Vec::new())
+                .expect("checkpoint");
+        }
+        let live = g.stats().live_epochs;
+        group.bench_function(format!("{live}-live-epochs"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    if at + BATCH > pool.len() {
+                        // Past the pool: its fingerprints were dropped with
+                        // their epochs long ago, except the newest ones.
+                        at = 0;
+                        for _ in 0..=retention {
+                            g.checkpoint(&[(lane, next)], Vec::new())
+                                .expect("checkpoint");
+                        }
+                    }
+                    let started = thread_cpu_now();
+                    for &f in &pool[at..at + BATCH] {
+                        let v = g.record(lane, Some(next), Some(f)).expect("record");
+                        black_box(v);
+                        next += 1;
+                    }
+                    spent += thread_cpu_now().saturating_sub(started);
+                    at += BATCH;
+                    if next.is_multiple_of(PER) {
+                        g.checkpoint(&[(lane, next)], Vec::new())
+                            .expect("checkpoint");
+                    }
+                }
+                spent
+            })
+        });
+        let mut verdicts = Vec::with_capacity(BATCH);
+        let mut probes: Vec<Probe> = Vec::with_capacity(BATCH);
+        group.bench_function(format!("{live}-live-epochs/batched"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    if at + BATCH > pool.len() {
+                        at = 0;
+                        for _ in 0..=retention {
+                            g.checkpoint(&[(lane, next)], Vec::new())
+                                .expect("checkpoint");
+                        }
+                    }
+                    probes.clear();
+                    probes.extend(
+                        pool[at..at + BATCH]
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &f)| Probe::new(lane, Some(next + k as u64), Some(f))),
+                    );
+                    let started = thread_cpu_now();
+                    g.record_many(&probes, &mut verdicts).expect("record_many");
+                    spent += thread_cpu_now().saturating_sub(started);
+                    assert!(verdicts.iter().all(|v| v.is_fresh()));
+                    next += BATCH as u64;
+                    at += BATCH;
+                    if next.is_multiple_of(PER) {
+                        g.checkpoint(&[(lane, next)], Vec::new())
+                            .expect("checkpoint");
+                    }
+                }
+                spent
+            })
+        });
+        assert_eq!(g.stats().live_epochs, live);
+        keep.push(dir);
+    }
+    group.finish();
+}
+
+/// Resident set of the process, from /proc.
+fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Sealed epochs on disk: N fingerprints in 10 epochs, a budget of 0.
+fn disk(c: &mut Criterion<ThreadCpu>) {
+    if !wanted("disk") {
+        return;
+    }
+    let n = n();
+    let per = n / 10;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rss_before = rss_bytes().unwrap_or(0);
+    let heap_before = live_bytes();
+    let mut g = Guard::builder(dir.path())
+        .retention_epochs(10)
+        .max_memory_bytes(Some(0))
+        .open()
+        .expect("open");
+    let lane = g.lane("bench", 0);
+    for e in 0..10 {
+        for i in e * per..(e + 1) * per {
+            g.record(lane, Some(i), Some(fp(i))).expect("record");
+        }
+        g.checkpoint(&[(lane, (e + 1) * per)], Vec::new())
+            .expect("checkpoint");
+    }
+    settle();
+    let s = g.stats();
+    assert_eq!(s.disk_fingerprints, per * 10);
+    let heap = live_bytes() - heap_before;
+    eprintln!(
+        "disk: {} fingerprints on disk; index memory estimate {:.3} B each ({} B, of which          disk filters {} B); heap allocated since open {:.3} B each; resident set {:.1} MiB          (grew {:.1} MiB); on-disk index {:.1} B each, state folder {:.1} B each",
+        s.disk_fingerprints,
+        s.memory_bytes as f64 / n as f64,
+        s.memory_bytes,
+        s.disk_filter_bytes,
+        heap as f64 / n as f64,
+        rss_bytes().unwrap_or(0) as f64 / (1 << 20) as f64,
+        (rss_bytes().unwrap_or(0).saturating_sub(rss_before)) as f64 / (1 << 20) as f64,
+        s.disk_index_bytes as f64 / n as f64,
+        s.disk_bytes as f64 / n as f64,
+    );
+    let mut group = quick_group(c, &format!("disk/{n}"));
+    let miss = probe_batches(lane, n, false, 200_000);
+    bench_batches(&mut group, "miss", &mut g, &miss, false);
+    group.throughput(Throughput::Elements(1_000));
+    let hit: Vec<Vec<Probe>> = probe_batches(lane, n, true, 20_000)
+        .iter()
+        .flat_map(|b| b.chunks(1_000).map(<[Probe]>::to_vec).collect::<Vec<_>>())
+        .collect();
+    bench_batches(&mut group, "hit", &mut g, &hit, true);
+    group.finish();
+    let s = g.stats();
+    eprintln!(
+        "disk: {} disk reads, {} of them hits",
+        s.disk_reads, s.disk_hits
+    );
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().with_measurement(ThreadCpu(WallTime));
-    targets = check, memory
+    targets = check, epochs, record, disk, memory
 }
 criterion_main!(benches);

@@ -83,10 +83,19 @@
 //! ## Layout
 //!
 //! - [`fingerprint`]: identity extraction and hashing.
-//! - `index`: the in-memory sets per (lane, epoch).
-//! - [`store`]: fjall-backed chunks and the manifest, with the format version.
-//! - `guard`: the engine ([`Guard`]): check, record, checkpoint, recover.
-//!   It has no Kafka types.
+//! - `index`: what each lane handled, over all its live epochs at once: one
+//!   epoch-tagged hash table and a few roaring bitmaps per lane, so a
+//!   lookup costs the same with 1 live epoch or thousands, and a filter in
+//!   front of the hashes of sealed epochs kept on disk. The index compares
+//!   the top 104 bits of a 128-bit hash (the rest holds an epoch tag): at
+//!   1M records/s over a window of 1e9 identities, a false duplicate
+//!   about 4.3e-12 times a day.
+//! - [`store`]: fjall-backed chunks and the manifest, with the format
+//!   version, and the on-disk index of sealed epochs' hashes.
+//! - `guard`: the engine ([`Guard`]): check, record, checkpoint, recover,
+//!   one record at a time or a batch at a time ([`Guard::check_many`],
+//!   [`Guard::record_many`]), within an optional memory budget
+//!   ([`GuardBuilder::max_memory_bytes`]). It has no Kafka types.
 //! - [`kafka`]: the rdkafka adapters.
 
 #![deny(clippy::unwrap_used, clippy::expect_used)]
@@ -102,7 +111,7 @@ pub mod store;
 
 pub use error::{Error, Result, StoreError};
 pub use fingerprint::{Fingerprint, Identity, IdentityFn};
-pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Stats, Verdict};
+pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Probe, Stats, Verdict};
 pub use index::Reason;
 pub use job::{Binding, Job, JobKind};
 pub use store::{Durability, LaneName, Manifest};

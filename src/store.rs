@@ -11,9 +11,21 @@
 //!     chunk of what that lane handled in that epoch: many fingerprints in
 //!     one value, so the write path does one insert per batch, not one per
 //!     record. An epoch is dropped by deleting its few chunk keys.
+//!   - `sealed`: `lane (u32 BE) | hash (its top 104 bits, BE)` to
+//!     `epoch (u64 BE)`, for the content hashes of sealed epochs kept on
+//!     disk under a memory budget (see `GuardBuilder::max_memory_bytes`).
+//!     It is an index derived from the chunks, which stay the truth: it
+//!     is written by bulk ingestion when epochs leave the memory, with
+//!     `meta: spilled` (u64 BE) naming the newest epoch it covers, and an
+//!     entry of a dropped epoch never answers and is removed by a
+//!     compaction filter. A build that does not know this keyspace reads
+//!     the folder correctly from the chunks, and this build rebuilds what
+//!     the keyspace lacks from them, so the format version stays 1.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 use roaring::RoaringTreemap;
@@ -245,6 +257,59 @@ pub struct Store {
     meta: Keyspace,
     lanes: Keyspace,
     chunks: Keyspace,
+    sealed: Keyspace,
+    /// The oldest live epoch, as the compaction filter of `sealed` sees it.
+    oldest_live: Arc<AtomicU64>,
+}
+
+/// The key of a hash in `sealed`.
+fn sealed_key(lane: u32, key: u128) -> [u8; 17] {
+    let mut k = [0u8; 17];
+    k[..4].copy_from_slice(&lane.to_be_bytes());
+    k[4..].copy_from_slice(&key.to_be_bytes()[..13]);
+    k
+}
+
+fn parse_sealed(k: &[u8], v: &[u8]) -> Option<(u128, u64)> {
+    let k: &[u8; 17] = k.try_into().ok()?;
+    let mut key = [0u8; 16];
+    key[..13].copy_from_slice(&k[4..]);
+    let epoch = u64::from_be_bytes(v.try_into().ok()?);
+    Some((u128::from_be_bytes(key), epoch))
+}
+
+/// Removes the entries of dropped epochs from `sealed` as the store
+/// compacts it.
+struct ExpireDropped(Arc<AtomicU64>);
+
+struct ExpireFilter(u64);
+
+impl fjall::compaction::filter::Factory for ExpireDropped {
+    fn name(&self) -> &str {
+        "replayguard-expire-dropped-epochs"
+    }
+
+    fn make_filter(
+        &self,
+        _: &fjall::compaction::filter::Context,
+    ) -> Box<dyn fjall::compaction::filter::CompactionFilter> {
+        Box::new(ExpireFilter(self.0.load(Ordering::Acquire)))
+    }
+}
+
+impl fjall::compaction::filter::CompactionFilter for ExpireFilter {
+    fn filter_item(
+        &mut self,
+        item: fjall::compaction::filter::ItemAccessor<'_>,
+        _: &fjall::compaction::filter::Context,
+    ) -> fjall::compaction::filter::CompactionFilterResult {
+        use fjall::compaction::filter::Verdict;
+        let value = item.value()?;
+        Ok(match <[u8; 8]>::try_from(&value[..]) {
+            Ok(v) if u64::from_be_bytes(v) < self.0 => Verdict::Remove,
+            _ => Verdict::Keep,
+        })
+    }
 }
 
 impl std::fmt::Debug for Store {
@@ -312,26 +377,34 @@ impl Store {
             // (fjall cannot reopen a database whose creation was cut short).
             std::fs::remove_dir_all(&db_path).map_err(open_err)?;
         }
-        let db = Database::builder(&db_path).open().map_err(|e| match e {
-            fjall::Error::Locked => Error::InUse {
-                path: path.to_owned(),
-            },
-            fjall::Error::Io(source)
-                if !matches!(
-                    source.kind(),
-                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
-                ) =>
-            {
-                Error::Open {
+        let oldest_live = Arc::new(AtomicU64::new(0));
+        let expire: Arc<dyn fjall::compaction::filter::Factory> =
+            Arc::new(ExpireDropped(oldest_live.clone()));
+        let db = Database::builder(&db_path)
+            .with_compaction_filter_factories(Arc::new(move |name: &str| {
+                (name == "sealed").then(|| expire.clone())
+            }))
+            .open()
+            .map_err(|e| match e {
+                fjall::Error::Locked => Error::InUse {
                     path: path.to_owned(),
-                    source,
+                },
+                fjall::Error::Io(source)
+                    if !matches!(
+                        source.kind(),
+                        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
+                    ) =>
+                {
+                    Error::Open {
+                        path: path.to_owned(),
+                        source,
+                    }
                 }
-            }
-            other => Error::Corrupt {
-                path: path.to_owned(),
-                what: format!("the database does not open: {}", StoreError(other)),
-            },
-        })?;
+                other => Error::Corrupt {
+                    path: path.to_owned(),
+                    what: format!("the database does not open: {}", StoreError(other)),
+                },
+            })?;
         let ks = |name: &str| {
             db.keyspace(name, KeyspaceCreateOptions::default)
                 .map_err(|e| read_err(path, e))
@@ -341,6 +414,8 @@ impl Store {
             meta: ks("meta")?,
             lanes: ks("lanes")?,
             chunks: ks("chunks")?,
+            sealed: ks("sealed")?,
+            oldest_live,
             db,
         };
         let loaded = store.load_meta(creating)?;
@@ -527,6 +602,125 @@ impl Store {
     #[must_use]
     pub fn disk_bytes(&self) -> u64 {
         self.db.disk_space().unwrap_or(0)
+    }
+
+    /// Bytes on disk of the `sealed` index.
+    #[must_use]
+    pub fn sealed_disk_bytes(&self) -> u64 {
+        self.sealed.disk_space()
+    }
+
+    /// Tells the compaction of `sealed` which epochs are dropped. Call it
+    /// only once a manifest with that oldest epoch is durable.
+    pub fn set_oldest_live(&self, epoch: u64) {
+        self.oldest_live.fetch_max(epoch, Ordering::Release);
+    }
+
+    /// Counts the content hashes of every chunk of the epochs at or after
+    /// `oldest`, per (epoch, lane), reading only each chunk's header. The
+    /// full read that follows checks the checksums.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed key or header; [`Error::Store`]
+    /// for I/O.
+    pub fn count_hashes(&self, oldest: u64, mut f: impl FnMut(u64, u32, u64)) -> Result<()> {
+        for g in self.chunks.range(chunk_key(oldest, 0, 0)..) {
+            let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
+            let (epoch, lane, _) =
+                parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
+            let n: [u8; 4] = v
+                .get(1..5)
+                .and_then(|b| b.try_into().ok())
+                .ok_or_else(|| self.corrupt(format!("chunk {epoch}/{lane}: truncated")))?;
+            f(epoch, lane, u64::from(u32::from_le_bytes(n)));
+        }
+        Ok(())
+    }
+
+    /// The newest epoch whose content hashes `sealed` holds in full, if any.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed value; [`Error::Store`] for I/O.
+    pub fn spilled(&self) -> Result<Option<u64>> {
+        match self.meta.get("spilled").map_err(|e| self.read_err(e))? {
+            None => Ok(None),
+            Some(v) => {
+                let b: [u8; 8] = (*v)
+                    .try_into()
+                    .map_err(|_| self.corrupt("the spilled key is malformed"))?;
+                Ok(Some(u64::from_be_bytes(b)))
+            }
+        }
+    }
+
+    /// Writes content hashes of sealed epochs to `sealed` by bulk
+    /// ingestion, as `(lane, key, epoch)` in ascending (lane, key) order,
+    /// then records (fsynced) that every epoch up to `upto` is covered.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if a write failed.
+    pub fn spill(
+        &self,
+        entries: impl IntoIterator<Item = (u32, u128, u64)>,
+        upto: u64,
+    ) -> Result<()> {
+        fail_point("store-spill")?;
+        let mut ingestion = self.sealed.start_ingestion().map_err(|e| self.err(e))?;
+        for (lane, key, epoch) in entries {
+            ingestion
+                .write(sealed_key(lane, key), epoch.to_be_bytes())
+                .map_err(|e| self.err(e))?;
+        }
+        ingestion.finish().map_err(|e| self.err(e))?;
+        // The ingested tables are written; make sure they are on disk
+        // before the marker says so.
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| self.err(e))?;
+        let mut b = self.db.batch().durability(Some(PersistMode::SyncData));
+        b.insert(&self.meta, "spilled", upto.to_be_bytes());
+        b.commit().map_err(|e| self.err(e))
+    }
+
+    /// The epoch that `sealed` holds for a content hash of a lane, if any.
+    /// It may be a dropped epoch: the caller checks.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed entry; [`Error::Store`] for I/O.
+    pub fn sealed_get(&self, lane: u32, key: u128) -> Result<Option<u64>> {
+        match self
+            .sealed
+            .get(sealed_key(lane, key))
+            .map_err(|e| self.read_err(e))?
+        {
+            None => Ok(None),
+            Some(v) => {
+                let b: [u8; 8] = (*v)
+                    .try_into()
+                    .map_err(|_| self.corrupt("a sealed entry is malformed"))?;
+                Ok(Some(u64::from_be_bytes(b)))
+            }
+        }
+    }
+
+    /// Calls `f(key, epoch)` for every entry of a lane in `sealed`, in key
+    /// order, dropped epochs included.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed entry; [`Error::Store`] for I/O.
+    pub fn sealed_scan(&self, lane: u32, mut f: impl FnMut(u128, u64)) -> Result<()> {
+        for g in self.sealed.prefix(lane.to_be_bytes()) {
+            let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
+            let (key, epoch) =
+                parse_sealed(&k, &v).ok_or_else(|| self.corrupt("a sealed entry is malformed"))?;
+            f(key, epoch);
+        }
+        Ok(())
     }
 }
 

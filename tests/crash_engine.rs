@@ -10,6 +10,10 @@
 //! before a flush, `F` after it; `B` before a checkpoint, `C` after it).
 //! The kill kills the process, not the machine, so a line written before
 //! the kill is in the file: the log needs no fsync.
+//!
+//! A third run gives the guard a memory budget of 0, so every checkpoint
+//! moves the sealed epochs' content hashes to disk: kills land in those
+//! writes too, and each reopen answers the sealed content from disk.
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -26,6 +30,7 @@ const CHILD_STATE: &str = "REPLAYGUARD_CRASH_STATE";
 const CHILD_LOG: &str = "REPLAYGUARD_CRASH_LOG";
 const CHILD_SEED: &str = "REPLAYGUARD_CRASH_SEED";
 const CHILD_RETENTION: &str = "REPLAYGUARD_CRASH_RETENTION";
+const CHILD_ON_DISK: &str = "REPLAYGUARD_CRASH_ON_DISK";
 
 /// Larger than any flush interval below, so that only the explicit,
 /// logged flushes and checkpoints write chunks.
@@ -36,12 +41,14 @@ fn fp(lane: usize, offset: u64) -> Fingerprint {
     Fingerprint::content(Some(&[lane as u8]), Some(&offset.to_be_bytes()))
 }
 
-/// `retention`: closed epochs kept besides the open one.
-fn open(state: &Path, retention: u32) -> Result<(Guard, [LaneId; LANES])> {
+/// `retention`: closed epochs kept besides the open one; `on_disk`: a
+/// memory budget of 0, so sealed epochs keep their hashes on disk.
+fn open(state: &Path, retention: u32, on_disk: bool) -> Result<(Guard, [LaneId; LANES])> {
     let mut g = Guard::builder(state)
         .retention_epochs(retention)
         .chunk_records(CHUNK_RECORDS)
         .durability(Durability::Process)
+        .max_memory_bytes(on_disk.then_some(0))
         .open()?;
     let lanes = [g.lane("crash", 0), g.lane("crash", 1)];
     Ok((g, lanes))
@@ -80,9 +87,10 @@ fn crash_child() -> Result<()> {
     let retention = retention
         .parse()
         .map_err(|_| Error::Config("bad retention".into()))?;
+    let on_disk = std::env::var_os(CHILD_ON_DISK).is_some();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut log = Log(OpenOptions::new().create(true).append(true).open(log)?);
-    let (mut g, lanes) = open(Path::new(&state), retention)?;
+    let (mut g, lanes) = open(Path::new(&state), retention, on_disk)?;
     let mut next: [u64; LANES] = [0; LANES];
     for (l, &lane) in lanes.iter().enumerate() {
         next[l] = g.position(lane).unwrap_or(0);
@@ -221,9 +229,15 @@ fn parse(log: &str, known: &mut Known) -> Round {
 }
 
 /// Reopens the folder after a kill and checks it against what the round's
-/// log says was made durable.
-fn verify(state: &Path, retention: u32, round: &Round, known: &mut Known, n: usize) -> Result<()> {
-    let (mut g, lanes) = open(state, retention)?;
+/// log says was made durable. Returns the content hashes found on disk.
+fn verify(
+    state: &Path,
+    (retention, on_disk): (u32, bool),
+    round: &Round,
+    known: &mut Known,
+    n: usize,
+) -> Result<u64> {
+    let (mut g, lanes) = open(state, retention, on_disk)?;
     let e = g.epoch();
     // The manifest is the last completed checkpoint, or the one in flight.
     let confirmed = round.checkpointed.unwrap_or(known.epoch);
@@ -301,27 +315,43 @@ fn verify(state: &Path, retention: u32, round: &Round, known: &mut Known, n: usi
         known.hi[l] = hi;
         live_fps += hi - first_kept;
     }
+    let stats = g.stats();
     assert_eq!(
-        g.stats().live_fingerprints,
-        live_fps,
+        stats.live_fingerprints, live_fps,
         "round {n}: live fingerprints"
     );
-    Ok(())
+    if on_disk {
+        // Everything below the open epoch is on disk, nothing above it.
+        assert_eq!(stats.memory_floor, e, "round {n}: memory floor");
+        assert_eq!(
+            stats.disk_fingerprints + stats.memory_fingerprints,
+            live_fps,
+            "round {n}: split"
+        );
+    } else {
+        assert_eq!(stats.disk_fingerprints, 0, "round {n}: nothing on disk");
+    }
+    Ok(stats.disk_fingerprints)
 }
 
 #[test]
 fn engine_state_survives_sigkill_with_the_default_retention() -> Result<()> {
-    kill_loop(0)
+    kill_loop(0, false)
 }
 
 #[test]
 fn engine_state_survives_sigkill_with_two_closed_epochs_kept() -> Result<()> {
-    kill_loop(2)
+    kill_loop(2, false)
+}
+
+#[test]
+fn engine_state_survives_sigkill_with_sealed_epochs_on_disk() -> Result<()> {
+    kill_loop(2, true)
 }
 
 /// Kills a child at random moments, at least 30 times and for about 20 s,
 /// and checks the state after each kill.
-fn kill_loop(retention: u32) -> Result<()> {
+fn kill_loop(retention: u32, on_disk: bool) -> Result<()> {
     // CRASH_KEEP=1 keeps the folder (state and round logs) for a post-mortem.
     let dir = tempfile::Builder::new()
         .prefix("crash-engine")
@@ -341,6 +371,7 @@ fn kill_loop(retention: u32) -> Result<()> {
     let mut during_replay = 0;
     let mut known = Known::default();
     let (mut kills_in_write, mut writes_that_landed) = (0, 0);
+    let mut rounds_from_disk = 0;
     // About 30 s, at least 30 kills, at most 150.
     while kills < 150 && (kills < 30 || started.elapsed() < Duration::from_secs(20)) {
         assert!(
@@ -350,7 +381,11 @@ fn kill_loop(retention: u32) -> Result<()> {
         let n = kills;
         let log_path = dir.path().join(format!("round-{n}.log"));
         let err_path = dir.path().join(format!("round-{n}.err"));
-        let mut child = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        if on_disk {
+            command.env(CHILD_ON_DISK, "1");
+        }
+        let mut child = command
             .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_STATE, &state)
             .env(CHILD_LOG, &log_path)
@@ -400,7 +435,10 @@ fn kill_loop(retention: u32) -> Result<()> {
         }
         during_replay += round.during_replay;
         let before = known.hi;
-        verify(&state, retention, &round, &mut known, n)?;
+        let disk = verify(&state, (retention, on_disk), &round, &mut known, n)?;
+        if disk > 0 {
+            rounds_from_disk += 1;
+        }
         if let Some(begun) = round.begun {
             kills_in_write += 1;
             let done = [0, 1].map(|l| before[l].max(round.done[l]));
@@ -425,5 +463,11 @@ fn kill_loop(retention: u32) -> Result<()> {
         "too few checkpoints to mean much"
     );
     assert!(known.epoch >= 5, "too few checkpoints survived");
+    if on_disk {
+        assert!(
+            rounds_from_disk * 2 >= kills,
+            "only {rounds_from_disk} of {kills} reopens had hashes on disk"
+        );
+    }
     Ok(())
 }

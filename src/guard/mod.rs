@@ -7,18 +7,51 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
 use roaring::RoaringTreemap;
 
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
-use crate::index::{LaneIndex, Reason};
+use crate::index::{
+    DiskFilter, LaneIndex, Lookup, Reason, TAG_SPAN, key_of, resolve, tag_of, tagged,
+};
 use crate::store::{
     Chunk, ChunkWrite, Durability, EpochInfo, FORMAT_VERSION, LaneName, LanePosition, Manifest,
     Store, now_ms,
 };
 
+/// Bytes a content hash is reckoned to take in memory when recovery
+/// decides, before loading, which sealed epochs fit the memory budget.
+const EST_BYTES_PER_HASH: u64 = 20;
+/// Largest memory budget accepted: 1 PiB.
+const MAX_MEMORY_BYTES: u64 = 1 << 50;
+/// How far ahead the batched calls fetch: filter words this many records
+/// ahead, slots half as many.
+const PREFETCH_AHEAD: usize = 16;
+
 #[cfg(test)]
 mod test;
+
+/// One record of a batch for [`Guard::check_many`] and
+/// [`Guard::record_many`]: what [`Guard::check`] takes, in one value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Probe {
+    /// The record's lane.
+    pub lane: LaneId,
+    /// Its position in the lane, if it has one.
+    pub offset: Option<u64>,
+    /// Its content identity, if it has one.
+    pub fp: Option<Fingerprint>,
+}
+
+impl Probe {
+    /// A probe for one record.
+    #[must_use]
+    pub fn new(lane: LaneId, offset: Option<u64>, fp: Option<Fingerprint>) -> Self {
+        Probe { lane, offset, fp }
+    }
+}
 
 /// A handle to one lane of a guard, from [`Guard::lane`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -64,6 +97,7 @@ pub struct GuardBuilder {
     retention_epochs: u32,
     retention_time: Option<Duration>,
     chunk_records: usize,
+    max_memory_bytes: Option<u64>,
 }
 
 impl GuardBuilder {
@@ -97,6 +131,25 @@ impl GuardBuilder {
         self
     }
 
+    /// How much memory the index may hold before sealed epochs keep their
+    /// content hashes on disk. Default `None`: no limit, every live epoch
+    /// in memory. Bounds: 0 to 1 PiB (`Some(0)` keeps every sealed epoch
+    /// on disk).
+    ///
+    /// Over the budget, each checkpoint moves the oldest sealed epochs'
+    /// hashes to disk until the index is under 90% of it; recovery loads
+    /// only the newest sealed epochs that fit. A hash on disk costs about
+    /// 1.9 bytes of memory (a filter in front of it) instead of about 20,
+    /// and a record whose hash the filter lets through (every resend, and
+    /// about 1 fresh record in 100 to 300) pays a disk read. The open
+    /// epoch, and the offsets and user ids of every live epoch, always
+    /// stay in memory, so the budget is a target, not a cap: it is
+    /// exceeded when they alone exceed it.
+    pub fn max_memory_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.max_memory_bytes = bytes;
+        self
+    }
+
     /// Opens the guard, recovering the latest manifest and every live epoch.
     ///
     /// # Errors
@@ -123,6 +176,11 @@ impl GuardBuilder {
                 self.chunk_records
             )));
         }
+        if self.max_memory_bytes.is_some_and(|b| b > MAX_MEMORY_BYTES) {
+            return Err(Error::Config(
+                "max_memory_bytes is above 1 PiB (2^50 bytes)".into(),
+            ));
+        }
         Guard::open(self)
     }
 }
@@ -139,9 +197,26 @@ pub struct Stats {
     pub duplicates_same_position: u64,
     /// Duplicates found by content at another position.
     pub duplicates_same_content: u64,
-    /// Content fingerprints in memory.
+    /// Live content fingerprints (hashes and ids), in memory or on disk.
     pub live_fingerprints: u64,
-    /// Offsets in memory.
+    /// Of those, the ones held in memory.
+    pub memory_fingerprints: u64,
+    /// Of those, the content hashes of sealed epochs kept on disk.
+    pub disk_fingerprints: u64,
+    /// Bytes the index holds in memory, the disk filters included (an
+    /// estimate, as of the last checkpoint or open).
+    pub memory_bytes: u64,
+    /// Of those, the filters in front of the hashes on disk.
+    pub disk_filter_bytes: u64,
+    /// Bytes on disk of the index of the hashes kept there.
+    pub disk_index_bytes: u64,
+    /// Epochs below this one keep their content hashes on disk.
+    pub memory_floor: u64,
+    /// Lookups that read the disk (filter said "maybe").
+    pub disk_reads: u64,
+    /// Of those, the ones that found a live duplicate.
+    pub disk_hits: u64,
+    /// Offsets in memory (all of them: offsets never go to disk).
     pub live_offsets: u64,
     /// Live epochs (the open one included).
     pub live_epochs: u64,
@@ -207,6 +282,10 @@ pub struct Guard {
     poisoned: Option<String>,
     stats: Stats,
     pending_total: usize,
+    /// The oldest live epoch.
+    oldest: u64,
+    /// Epochs below it keep their content hashes on disk.
+    floor: u64,
 }
 
 impl Guard {
@@ -218,6 +297,7 @@ impl Guard {
             retention_epochs: 0,
             retention_time: None,
             chunk_records: 10_000,
+            max_memory_bytes: None,
         }
     }
 
@@ -235,6 +315,8 @@ impl Guard {
                 }],
             ),
         };
+        let oldest = epochs.first().map_or(epoch, |e| e.epoch);
+        store.set_oldest_live(oldest);
         let mut guard = Guard {
             store,
             cfg,
@@ -246,6 +328,8 @@ impl Guard {
             poisoned: None,
             stats: Stats::default(),
             pending_total: 0,
+            oldest,
+            floor: oldest,
         };
         for (id, name) in loaded.lanes {
             if id as usize != guard.lanes.len() {
@@ -265,54 +349,98 @@ impl Guard {
                 guard.lanes[id.0 as usize].position = Some(p.next_offset);
             }
         }
-        let oldest = guard.epochs.first().map_or(epoch, |e| e.epoch);
-        let path = guard.store.path().to_owned();
-        let lanes = &mut guard.lanes;
-        // Chunks come in key order, so all of an (epoch, lane) arrive
-        // together: their hashes are gathered and the table built once.
-        let mut gathered: Option<(u64, u32, Vec<u128>)> = None;
-        let build = |lanes: &mut Vec<Lane>, (e, lane, hashes): (u64, u32, Vec<u128>)| {
-            if let Some(l) = lanes.get_mut(lane as usize) {
-                l.index.epoch_mut(e).load_hashes(hashes, e < epoch);
+        // Which sealed epochs keep their hashes in memory: all, or under a
+        // budget the newest that fit (a first pass reads only the counts).
+        let mut disk_counts: Vec<u64> = vec![0; guard.lanes.len()];
+        let floor = match guard.cfg.max_memory_bytes {
+            None => oldest,
+            Some(budget) => {
+                let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
+                let mut per_lane: Vec<(u64, u32, u64)> = Vec::new();
+                guard.store.count_hashes(oldest, |e, lane, n| {
+                    *per_epoch.entry(e).or_default() += n;
+                    per_lane.push((e, lane, n));
+                })?;
+                let mut used = per_epoch.get(&epoch).copied().unwrap_or(0) * EST_BYTES_PER_HASH;
+                let mut floor = oldest;
+                for (&e, &n) in per_epoch.range(..epoch).rev() {
+                    used += n * EST_BYTES_PER_HASH;
+                    if used > budget {
+                        floor = e + 1;
+                        break;
+                    }
+                }
+                for (e, lane, n) in per_lane {
+                    if e < floor
+                        && let Some(c) = disk_counts.get_mut(lane as usize)
+                    {
+                        *c += n;
+                    }
+                }
+                floor
             }
         };
+        let floor = floor.max(epoch.saturating_sub(TAG_SPAN / 4)).min(epoch);
+        guard.floor = floor;
+        for (l, &n) in guard.lanes.iter_mut().zip(&disk_counts) {
+            l.index = LaneIndex::new(epoch, oldest, floor);
+            if floor > oldest {
+                l.index.disk_mut().filter = Some(DiskFilter::with_capacity(n * 3 / 2));
+            }
+        }
+        // Epochs below the floor that the disk index does not cover yet.
+        let covered = guard.store.spilled()?.map_or(oldest, |s| s + 1).max(oldest);
+        let mut to_spill: Vec<Vec<(u128, u64)>> = vec![Vec::new(); guard.lanes.len()];
+        let mut in_memory: Vec<Vec<u128>> = vec![Vec::new(); guard.lanes.len()];
+        let path = guard.store.path().to_owned();
+        let lanes = &mut guard.lanes;
         guard.store.load_chunks(oldest, |e, lane, chunk| {
             let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
                 path: path.clone(),
                 what: format!("a chunk names lane {lane}, which is not in the lane table"),
             })?;
-            let idx = l.index.epoch_mut(e);
-            idx.merge_offsets(&chunk.offsets);
-            idx.merge_ids(&chunk.ids);
-            match &mut gathered {
-                Some((ge, gl, hashes)) if (*ge, *gl) == (e, lane) => {
-                    hashes.extend_from_slice(&chunk.hashes);
+            l.index.merge_offsets(e, &chunk.offsets);
+            l.index.merge_ids(e, &chunk.ids);
+            if e >= floor {
+                let tag = tag_of(e);
+                in_memory[lane as usize].extend(chunk.hashes.iter().map(|&h| tagged(h, tag)));
+            } else {
+                l.index.count_disk_hashes(e, chunk.hashes.len() as u64);
+                if let Some(f) = l.index.disk_mut().filter.as_mut() {
+                    chunk.hashes.iter().for_each(|&h| f.insert(h));
                 }
-                _ => {
-                    if let Some(done) = gathered.replace((e, lane, chunk.hashes)) {
-                        build(lanes, done);
-                    }
+                if e >= covered {
+                    to_spill[lane as usize].extend(chunk.hashes.iter().map(|&h| (key_of(h), e)));
                 }
             }
             Ok(())
         })?;
-        if let Some(done) = gathered.take() {
-            build(&mut guard.lanes, done);
+        for (l, hashes) in guard.lanes.iter_mut().zip(in_memory) {
+            l.index.load_hashes(hashes);
+            l.index.seal_loaded();
+        }
+        if floor > covered {
+            for v in &mut to_spill {
+                v.sort_unstable();
+                v.dedup_by_key(|(k, _)| *k);
+            }
+            let entries = to_spill
+                .iter()
+                .enumerate()
+                .flat_map(|(lane, v)| v.iter().map(move |&(k, e)| (lane as u32, k, e)));
+            guard.store.spill(entries, floor - 1)?;
         }
         // New chunks in the open epoch must not overwrite old ones.
         guard.resume_sequences()?;
-        for l in &mut guard.lanes {
-            l.index.seal_before(epoch);
-        }
-        guard.stats.last_recovery = started.elapsed();
-        guard.stats.disk_bytes = guard.store.disk_bytes();
         guard.stats.epoch = epoch;
         guard.refresh_live();
+        guard.stats.last_recovery = started.elapsed();
         tracing::info!(
             path = %guard.store.path().display(),
             epoch,
             lanes = guard.lanes.len(),
             live_fingerprints = guard.stats.live_fingerprints,
+            disk_fingerprints = guard.stats.disk_fingerprints,
             ms = guard.stats.last_recovery.as_millis() as u64,
             "replayguard state recovered"
         );
@@ -335,7 +463,7 @@ impl Guard {
         self.by_name.insert(name.clone(), id);
         self.lanes.push(Lane {
             name,
-            index: LaneIndex::default(),
+            index: LaneIndex::new(self.epoch, self.oldest, self.floor),
             pending: Chunk::default(),
             pending_records: 0,
             persisted,
@@ -399,7 +527,7 @@ impl Guard {
     fn lane_ref(&self, lane: LaneId) -> Result<&Lane> {
         self.lanes
             .get(lane.0 as usize)
-            .ok_or(Error::UnknownLane(lane.0))
+            .ok_or_else(|| Error::UnknownLane(lane.0))
     }
 
     /// Was this record handled within the retention? Does not record it.
@@ -409,7 +537,9 @@ impl Guard {
     ///
     /// # Errors
     ///
-    /// [`Error::Poisoned`] after a failed write; [`Error::UnknownLane`].
+    /// [`Error::Poisoned`] after a failed write; [`Error::UnknownLane`];
+    /// a store error when the hash had to be read from disk and the read
+    /// failed (never a "fresh" in its place).
     pub fn check(
         &mut self,
         lane: LaneId,
@@ -417,11 +547,154 @@ impl Guard {
         fp: Option<Fingerprint>,
     ) -> Result<Verdict> {
         self.ready()?;
-        let found = self.lane_ref(lane)?.index.find(offset, fp);
+        self.lane_ref(lane)?;
+        self.check_one(lane.0 as usize, offset, fp)
+    }
+
+    /// [`Guard::check`] for a batch of records, such as one poll's worth:
+    /// `verdicts` is cleared and gets one verdict per probe, in order.
+    ///
+    /// The same answers as one `check` per probe, faster: while it answers
+    /// one record it fetches what the lookups of the next ones will read
+    /// (their filter words, then the table slots those let through), so
+    /// their cache misses overlap instead of coming one after another.
+    ///
+    /// # Errors
+    ///
+    /// As [`Guard::check`]. Every lane is checked before any record is, so
+    /// an unknown lane changes nothing; after a disk read error,
+    /// `verdicts` holds the verdicts of the probes before it.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use replayguard::{Fingerprint, Guard, Probe, Verdict};
+    /// # fn main() -> replayguard::Result<()> {
+    /// let dir = tempfile::tempdir()?;
+    /// let mut guard = Guard::builder(dir.path()).open()?;
+    /// let lane = guard.lane("orders", 0);
+    /// let batch: Vec<Probe> = (0..4u64)
+    ///     .map(|o| Probe::new(lane, Some(o), Some(Fingerprint::id(o))))
+    ///     .collect();
+    /// let mut verdicts = Vec::new();
+    /// guard.record_many(&batch[..2], &mut verdicts)?;
+    /// guard.check_many(&batch, &mut verdicts)?;
+    /// assert!(!verdicts[0].is_fresh() && !verdicts[1].is_fresh());
+    /// assert_eq!(&verdicts[2..], &[Verdict::Fresh, Verdict::Fresh]);
+    /// # Ok(()) }
+    /// ```
+    pub fn check_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
+        self.batch(probes, verdicts, false)
+    }
+
+    /// [`Guard::record`] for a batch of records, with the prefetching of
+    /// [`Guard::check_many`]: `verdicts` is cleared and gets one verdict
+    /// per probe, in order. A record that repeats an earlier one of the
+    /// same batch is a duplicate of it, as with one `record` per probe.
+    ///
+    /// # Errors
+    ///
+    /// As [`Guard::record`]. Every lane is checked before any record is;
+    /// after an error, the probes before it are recorded and `verdicts`
+    /// holds their verdicts.
+    pub fn record_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
+        self.batch(probes, verdicts, true)
+    }
+
+    fn batch(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>, record: bool) -> Result<()> {
+        self.ready()?;
+        verdicts.clear();
+        if let Some(bad) = probes
+            .iter()
+            .find(|p| p.lane.0 as usize >= self.lanes.len())
+        {
+            return Err(Error::UnknownLane(bad.lane.0));
+        }
+        verdicts.reserve(probes.len());
+        let far = PREFETCH_AHEAD;
+        let near = PREFETCH_AHEAD / 2;
+        // A record that turns out fresh is inserted, so a batch of records
+        // fetches every slot; a batch of checks only those past the filter.
+        let prefetch = |lanes: &[Lane], q: Option<&Probe>, slots: bool| {
+            if let Some(q) = q
+                && let Some(l) = lanes.get(q.lane.0 as usize)
+            {
+                match (slots, record) {
+                    (false, _) => l.index.prefetch_filters(q.fp),
+                    (true, false) => l.index.prefetch_slots(q.fp),
+                    (true, true) => l.index.prefetch_insert(q.fp),
+                }
+            }
+        };
+        for i in 0..far.min(probes.len()) {
+            prefetch(&self.lanes, probes.get(i), false);
+            if i < near {
+                prefetch(&self.lanes, probes.get(i), true);
+            }
+        }
+        for (i, p) in probes.iter().enumerate() {
+            prefetch(&self.lanes, probes.get(i + far), false);
+            prefetch(&self.lanes, probes.get(i + near), true);
+            let lane = p.lane.0 as usize;
+            let found = self.find(lane, p.offset, p.fp)?;
+            let v = if record {
+                self.record_found(lane, p.offset, p.fp, found)?
+            } else {
+                self.stats.checked += 1;
+                self.count(found)
+            };
+            verdicts.push(v);
+        }
+        Ok(())
+    }
+
+    /// Looks a record up in memory and, when the filter in front of the
+    /// disk lets its hash through, on disk. Only the disk read can fail.
+    #[inline]
+    fn find(
+        &mut self,
+        lane: usize,
+        offset: Option<u64>,
+        fp: Option<Fingerprint>,
+    ) -> Result<Option<(Reason, u64)>> {
+        match self.lanes[lane].index.lookup(offset, fp) {
+            Lookup::Found(r, e) => Ok(Some((r, e))),
+            Lookup::Fresh => Ok(None),
+            Lookup::Disk { key, position } => self.read_disk(lane, key, position),
+        }
+    }
+
+    #[cold]
+    fn read_disk(
+        &mut self,
+        lane: usize,
+        key: u128,
+        position: Option<u64>,
+    ) -> Result<Option<(Reason, u64)>> {
+        self.stats.disk_reads += 1;
+        let index = &self.lanes[lane].index;
+        let content = self
+            .store
+            .sealed_get(lane as u32, key)?
+            .filter(|&e| index.disk_epoch_is_live(e));
+        if content.is_some() {
+            self.stats.disk_hits += 1;
+        }
+        Ok(resolve(position, content))
+    }
+
+    fn check_one(
+        &mut self,
+        lane: usize,
+        offset: Option<u64>,
+        fp: Option<Fingerprint>,
+    ) -> Result<Verdict> {
+        let found = self.find(lane, offset, fp)?;
         self.stats.checked += 1;
         Ok(self.count(found))
     }
 
+    #[inline]
     fn count(&mut self, found: Option<(Reason, u64)>) -> Verdict {
         match found {
             None => Verdict::Fresh,
@@ -444,8 +717,9 @@ impl Guard {
     ///
     /// # Errors
     ///
-    /// [`Error::Poisoned`], [`Error::UnknownLane`], or a store error from a
-    /// chunk write (which poisons the guard).
+    /// [`Error::Poisoned`], [`Error::UnknownLane`], a store error from a
+    /// chunk write (which poisons the guard), or from a disk read of a
+    /// hash (which records nothing).
     pub fn record(
         &mut self,
         lane: LaneId,
@@ -453,30 +727,49 @@ impl Guard {
         fp: Option<Fingerprint>,
     ) -> Result<Verdict> {
         self.ready()?;
-        let epoch = self.epoch;
-        let l = self
-            .lanes
-            .get_mut(lane.0 as usize)
-            .ok_or(Error::UnknownLane(lane.0))?;
-        if let Some(found) = l.index.find(offset, fp) {
-            return Ok(self.count(Some(found)));
+        self.lane_ref(lane)?;
+        self.record_one(lane.0 as usize, offset, fp)
+    }
+
+    fn record_one(
+        &mut self,
+        lane: usize,
+        offset: Option<u64>,
+        fp: Option<Fingerprint>,
+    ) -> Result<Verdict> {
+        let found = self.find(lane, offset, fp)?;
+        self.record_found(lane, offset, fp, found)
+    }
+
+    /// Records a looked-up record unless it was found.
+    #[inline]
+    fn record_found(
+        &mut self,
+        lane: usize,
+        offset: Option<u64>,
+        fp: Option<Fingerprint>,
+        found: Option<(Reason, u64)>,
+    ) -> Result<Verdict> {
+        if found.is_some() {
+            return Ok(self.count(found));
         }
-        let idx = l.index.epoch_mut(epoch);
+        let epoch = self.epoch;
+        let l = &mut self.lanes[lane];
+        l.index.insert(epoch, offset, fp);
         if let Some(o) = offset {
-            idx.insert_offset(o);
             l.pending.offsets.insert(o);
             self.stats.live_offsets += 1;
         }
         match fp {
-            Some(f @ Fingerprint::Hash(h)) => {
-                idx.insert_fingerprint(f);
+            Some(Fingerprint::Hash(h)) => {
                 l.pending.hashes.push(h);
                 self.stats.live_fingerprints += 1;
+                self.stats.memory_fingerprints += 1;
             }
-            Some(f @ Fingerprint::Id(id)) => {
-                idx.insert_fingerprint(f);
+            Some(Fingerprint::Id(id)) => {
                 l.pending.ids.insert(id);
                 self.stats.live_fingerprints += 1;
+                self.stats.memory_fingerprints += 1;
             }
             None => {}
         }
@@ -582,6 +875,13 @@ impl Guard {
     /// restart) move into the new epoch, so a restart from that position
     /// still finds them.
     ///
+    /// Under a memory budget ([`GuardBuilder::max_memory_bytes`]), the
+    /// oldest sealed epochs then move their content hashes to disk until
+    /// the index fits.
+    ///
+    /// Its cost does not grow with the number of live epochs, except for
+    /// the manifest, which lists them (about 60 bytes each).
+    ///
     /// # Errors
     ///
     /// [`Error::Poisoned`], [`Error::UnknownLane`], or a store error (which
@@ -609,14 +909,14 @@ impl Guard {
             closed_at_ms: None,
         });
         let keep_from = self.oldest_kept(&epochs, next, now);
-        let dropped: Vec<u64> = epochs
-            .iter()
-            .map(|e| e.epoch)
-            .filter(|e| *e < keep_from)
-            .collect();
-        epochs.retain(|e| e.epoch >= keep_from);
+        let gone = epochs.iter().take_while(|e| e.epoch < keep_from).count();
+        let dropped: Vec<u64> = epochs.drain(..gone).map(|e| e.epoch).collect();
         let mut moved: HashMap<u32, u64> = positions.iter().map(|(l, p)| (l.0, *p)).collect();
-        let carried = self.carried_offsets(&moved, keep_from);
+        let carried = if dropped.is_empty() {
+            Vec::new()
+        } else {
+            self.carried_offsets(&moved, keep_from)
+        };
         let manifest = Manifest {
             format: FORMAT_VERSION,
             epoch: next,
@@ -645,25 +945,33 @@ impl Guard {
         self.epoch = next;
         self.epochs = epochs;
         self.manifest = Some(manifest);
+        self.oldest = self.oldest.max(keep_from);
+        self.floor = self.floor.max(self.oldest);
+        self.store.set_oldest_live(self.oldest);
         for l in &mut self.lanes {
             l.next_seq = 0;
-            l.index.drop_before(keep_from);
-            l.index.seal_before(next);
+            // Drop first: an epoch closed and dropped at once (the default
+            // retention) is never packed.
+            if !dropped.is_empty() {
+                l.index.drop_before(keep_from);
+            }
+            l.index.close(next);
         }
         for (id, chunk) in &carried {
             let l = &mut self.lanes[*id as usize];
-            l.index.epoch_mut(next).merge_offsets(&chunk.offsets);
+            l.index.merge_offsets(next, &chunk.offsets);
             l.next_seq = 1;
         }
         if !dropped.is_empty() {
             let r = self.store.drop_epochs_before(keep_from);
             self.poison_on(r)?;
         }
+        let r = self.fit_memory();
+        self.poison_on(r)?;
         self.refresh_live();
         let duration = started.elapsed();
         self.stats.checkpoints += 1;
         self.stats.last_checkpoint = Some(duration);
-        self.stats.disk_bytes = self.store.disk_bytes();
         self.stats.epoch = next;
         tracing::debug!(
             epoch = next,
@@ -694,15 +1002,7 @@ impl Guard {
             // A lane with no position yet replays from its start: every
             // offset it holds is still ahead of it.
             let p = moved.get(&(id as u32)).copied().or(l.position).unwrap_or(0);
-            let mut offsets = RoaringTreemap::new();
-            for (_, idx) in l.index.epochs().take_while(|(e, _)| *e < keep_from) {
-                let set = idx.offset_set();
-                if set.max().is_some_and(|m| m >= p) {
-                    let mut tail = set.clone();
-                    tail.remove_range(..p);
-                    offsets |= tail;
-                }
-            }
+            let offsets = l.index.carried(keep_from, p);
             if !offsets.is_empty() {
                 carried.push((
                     id as u32,
@@ -729,17 +1029,116 @@ impl Guard {
         by_time.map_or(by_count, |t| t.min(by_count))
     }
 
-    fn refresh_live(&mut self) {
-        let (mut fps, mut offs) = (0, 0);
-        for l in &self.lanes {
-            for (_, idx) in l.index.epochs() {
-                fps += idx.fingerprints();
-                offs += idx.offsets();
+    /// Moves the content hashes of the oldest sealed epochs to disk while
+    /// the index is over its memory budget (down to 90% of it), and in any
+    /// case before an epoch is so old that its tag could be misread.
+    fn fit_memory(&mut self) -> Result<()> {
+        let mut floor = self.floor.max(self.epoch.saturating_sub(TAG_SPAN / 4));
+        if let Some(budget) = self.cfg.max_memory_bytes {
+            let used = self.memory_bytes() as u64;
+            if used > budget && self.floor < self.epoch {
+                let (bytes, entries) = self.lanes.iter().fold((0, 0), |(b, n), l| {
+                    let (tb, tn) = l.index.table_bytes();
+                    (b + tb, n + tn)
+                });
+                let per = bytes
+                    .checked_div(entries)
+                    .map_or(EST_BYTES_PER_HASH, |b| b.max(1) as u64);
+                let mut excess = used - budget / 10 * 9;
+                let mut f = floor;
+                while f < self.epoch && excess > 0 {
+                    let n: u64 = self.lanes.iter().map(|l| l.index.epoch_hashes(f)).sum();
+                    excess = excess.saturating_sub(n * per);
+                    f += 1;
+                }
+                floor = floor.max(f);
             }
+        }
+        if floor > self.floor {
+            self.spill_to(floor)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the content hashes of the epochs in `self.floor..floor` to
+    /// disk and into each lane's disk filter, then lets them leave memory.
+    fn spill_to(&mut self, floor: u64) -> Result<()> {
+        let from = self.floor;
+        for (id, l) in self.lanes.iter_mut().enumerate() {
+            let count: u64 = (from..floor).map(|e| l.index.epoch_hashes(e)).sum();
+            if count == 0 && l.index.disk().filter.is_some() {
+                continue;
+            }
+            let tier = l.index.disk();
+            let fits = tier
+                .filter
+                .as_ref()
+                .is_some_and(|f| f.inserted() + count <= f.capacity());
+            if !fits {
+                // A new filter, sized with room to grow, holding the live
+                // hashes already on disk: it also forgets dropped epochs.
+                let mut filter = DiskFilter::with_capacity((tier.live + count) * 3 / 2);
+                if tier.live > 0 {
+                    let oldest = self.oldest;
+                    self.store.sealed_scan(id as u32, |key, e| {
+                        if e >= oldest && e < from {
+                            filter.insert(key);
+                        }
+                    })?;
+                }
+                l.index.disk_mut().filter = Some(filter);
+            }
+            let mut filter = l.index.disk_mut().filter.take();
+            if let Some(f) = filter.as_mut() {
+                l.index.hashes_in(from, floor, |key, _| f.insert(key));
+            }
+            l.index.disk_mut().filter = filter;
+        }
+        let moving: u64 = self
+            .lanes
+            .iter()
+            .map(|l| (from..floor).map(|e| l.index.epoch_hashes(e)).sum::<u64>())
+            .sum();
+        if moving > 0 {
+            let entries = self.lanes.iter().enumerate().flat_map(|(id, l)| {
+                l.index
+                    .iter_hashes_in(from, floor)
+                    .map(move |(k, e)| (id as u32, k, e))
+            });
+            self.store.spill(entries, floor - 1)?;
+        }
+        for l in &mut self.lanes {
+            l.index.lower_to_disk(floor);
+        }
+        self.floor = floor;
+        tracing::debug!(from, to = floor, "sealed epochs moved to disk");
+        Ok(())
+    }
+
+    fn refresh_live(&mut self) {
+        let (mut fps, mut offs, mut disk, mut mem, mut filters) = (0, 0, 0, 0, 0);
+        for l in &self.lanes {
+            fps += l.index.live_fingerprints();
+            offs += l.index.live_offset_count();
+            disk += l.index.disk().live;
+            mem += l.index.memory_bytes() as u64;
+            filters += l
+                .index
+                .disk()
+                .filter
+                .as_ref()
+                .map_or(0, |f| f.memory_bytes() as u64);
         }
         self.stats.live_fingerprints = fps;
         self.stats.live_offsets = offs;
+        self.stats.disk_fingerprints = disk;
+        self.stats.memory_fingerprints = fps - disk.min(fps);
+        self.stats.memory_bytes = mem;
+        self.stats.disk_filter_bytes = filters;
+        self.stats.memory_floor = self.floor;
         self.stats.live_epochs = self.epochs.len() as u64;
+        self.stats.disk_bytes = self.store.disk_bytes();
+        self.stats.disk_index_bytes = self.store.sealed_disk_bytes();
     }
 
     /// A snapshot of the counters.
@@ -748,14 +1147,11 @@ impl Guard {
         self.stats.clone()
     }
 
-    /// Heap bytes held by the in-memory index (an estimate).
+    /// Heap bytes held by the in-memory index (an estimate): the tables,
+    /// the bitmaps and the filters in front of the disk.
     #[must_use]
     pub fn memory_bytes(&self) -> usize {
-        self.lanes
-            .iter()
-            .flat_map(|l| l.index.epochs())
-            .map(|(_, i)| i.memory_bytes())
-            .sum()
+        self.lanes.iter().map(|l| l.index.memory_bytes()).sum()
     }
 
     /// Per lane and live epoch: (lane, epoch, fingerprints, offsets).
@@ -763,8 +1159,13 @@ impl Guard {
     pub fn epoch_table(&self) -> Vec<(LaneName, u64, u64, u64)> {
         let mut out = Vec::new();
         for l in &self.lanes {
-            for (e, idx) in l.index.epochs() {
-                out.push((l.name.clone(), e, idx.fingerprints(), idx.offsets()));
+            for idx in l.index.epochs() {
+                out.push((
+                    l.name.clone(),
+                    idx.epoch(),
+                    idx.fingerprints(),
+                    idx.offsets(),
+                ));
             }
         }
         out
@@ -773,13 +1174,10 @@ impl Guard {
     /// The offsets a lane handled in its live epochs (for tests and tools).
     #[must_use]
     pub fn live_offsets(&self, lane: LaneId) -> RoaringTreemap {
-        let mut all = RoaringTreemap::new();
-        if let Some(l) = self.lanes.get(lane.0 as usize) {
-            for (_, idx) in l.index.epochs() {
-                all |= idx.offset_set();
-            }
-        }
-        all
+        self.lanes
+            .get(lane.0 as usize)
+            .map(|l| l.index.live_offsets())
+            .unwrap_or_default()
     }
 
     /// Every lane the guard knows.

@@ -233,6 +233,7 @@ fn builder_refuses_out_of_bounds_options() -> Result<()> {
         Guard::builder(dir.path()).chunk_records(10_000_001),
         Guard::builder(dir.path()).retention_epochs(1_000_001),
         Guard::builder(dir.path()).retention_time(Some(Duration::from_secs(366 * 86_400))),
+        Guard::builder(dir.path()).max_memory_bytes(Some((1 << 50) + 1)),
     ];
     for b in cases {
         let r = b.clone().open();
@@ -244,6 +245,7 @@ fn builder_refuses_out_of_bounds_options() -> Result<()> {
         .chunk_records(10_000_000)
         .retention_epochs(1_000_000)
         .retention_time(Some(Duration::from_secs(365 * 86_400)))
+        .max_memory_bytes(Some(1 << 50))
         .open()?;
     Ok(())
 }
@@ -542,6 +544,8 @@ type Epochs = BTreeMap<u64, EpochSet>;
 /// The reference: plain sets per (lane, epoch), and a copy of what is durable.
 struct Model {
     retention: u64,
+    /// Sealed epochs keep their hashes on disk (a memory budget of 0).
+    on_disk: bool,
     chunk_records: usize,
     epoch: u64,
     live: Vec<Epochs>,
@@ -555,9 +559,10 @@ struct Model {
 }
 
 impl Model {
-    fn new(lanes: usize, retention: u64, chunk_records: usize) -> Self {
+    fn new(lanes: usize, retention: u64, chunk_records: usize, on_disk: bool) -> Self {
         Model {
             retention,
+            on_disk,
             chunk_records,
             epoch: 0,
             live: vec![Epochs::new(); lanes],
@@ -663,6 +668,15 @@ impl Model {
         self.dup_content = 0;
     }
 
+    /// Content hashes of the sealed epochs.
+    fn sealed_hashes(&self) -> u64 {
+        let sealed = self.live.iter().flat_map(|e| e.range(..self.epoch));
+        sealed
+            .flat_map(|(_, s)| s.fps.iter())
+            .filter(|f| matches!(f, Fingerprint::Hash(_)))
+            .count() as u64
+    }
+
     fn live_counts(&self) -> (u64, u64) {
         let sets = self.live.iter().flat_map(|e| e.values());
         sets.fold((0, 0), |(f, o), s| {
@@ -730,6 +744,10 @@ fn compare(s: &mut Subject, m: &Model) -> std::result::Result<(), TestCaseError>
     let (fps, offs) = m.live_counts();
     prop_assert_eq!(stats.live_fingerprints, fps);
     prop_assert_eq!(stats.live_offsets, offs);
+    // With a budget of 0 every sealed epoch's hashes are on disk.
+    let disk = if m.on_disk { m.sealed_hashes() } else { 0 };
+    prop_assert_eq!(stats.disk_fingerprints, disk, "hashes on disk");
+    prop_assert_eq!(stats.memory_fingerprints, fps - disk);
     // Only lanes already in use: asking creates a lane, and the order in
     // which lanes are created is part of what is tested.
     for lane in 0..m.live.len() {
@@ -780,19 +798,21 @@ fn run_model(
     lanes: usize,
     retention: u32,
     chunk_records: usize,
+    on_disk: bool,
     ops: Vec<Op>,
 ) -> std::result::Result<(), TestCaseError> {
     let dir = tempfile::tempdir()?;
     let builder = Guard::builder(dir.path())
         .retention_epochs(retention)
-        .chunk_records(chunk_records);
+        .chunk_records(chunk_records)
+        .max_memory_bytes(on_disk.then_some(0));
     let mut s = Subject {
         dir: dir.path().to_owned(),
         guard: Some(builder.clone().open()?),
         builder,
         ids: vec![None; lanes],
     };
-    let mut m = Model::new(lanes, u64::from(retention), chunk_records);
+    let mut m = Model::new(lanes, u64::from(retention), chunk_records, on_disk);
     for (step, op) in ops.iter().enumerate() {
         match op {
             Op::Check(lane, o, f) => {
@@ -860,7 +880,140 @@ proptest! {
         }),
         retention in 0u32..=3,
         chunk_records in 1usize..50,
+        on_disk in any::<bool>(),
     ) {
-        run_model(lanes, retention, chunk_records, ops)?;
+        run_model(lanes, retention, chunk_records, on_disk, ops)?;
     }
+}
+
+#[test]
+fn sealed_epochs_on_disk_answer_like_memory_across_reopens() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let open = |budget: Option<u64>| {
+        Guard::builder(dir.path())
+            .retention_epochs(5)
+            .max_memory_bytes(budget)
+            .open()
+    };
+    let mut g = open(Some(0))?;
+    let lane = g.lane("t", 0);
+    for e in 0..4u64 {
+        for i in e * 1_000..(e + 1) * 1_000 {
+            assert!(g.record(lane, Some(i), Some(hash(i)))?.is_fresh());
+        }
+        g.checkpoint(&[(lane, (e + 1) * 1_000)], Vec::new())?;
+    }
+    let s = g.stats();
+    assert_eq!((s.disk_fingerprints, s.memory_fingerprints), (4_000, 0));
+    assert_eq!(s.memory_floor, 4);
+    assert!(s.disk_filter_bytes > 0 && s.disk_index_bytes > 0, "{s:?}");
+    let check = |g: &mut Guard| -> Result<()> {
+        for i in (0..4_000u64).step_by(3) {
+            assert_eq!(
+                g.check(lane, None, Some(hash(i)))?,
+                dup(Reason::SameContent, i / 1_000),
+                "{i}"
+            );
+            assert!(g.check(lane, None, Some(hash(i + 10_000)))?.is_fresh());
+        }
+        Ok(())
+    };
+    check(&mut g)?;
+    let s = g.stats();
+    // Every hit read the disk; about 1 miss in 100 did too.
+    assert!(
+        s.disk_hits >= 1_334 && s.disk_reads < s.disk_hits + 100,
+        "{s:?}"
+    );
+    // The same, after a reopen with the budget, without one, and with it again.
+    for budget in [Some(0), None, Some(0)] {
+        drop(g);
+        g = open(budget)?;
+        check(&mut g)?;
+        let s = g.stats();
+        let on_disk = if budget.is_some() { 4_000 } else { 0 };
+        assert_eq!(s.disk_fingerprints, on_disk, "{budget:?}");
+        assert_eq!(s.live_fingerprints, 4_000);
+    }
+    // Epochs leave the disk by retention like any other: 0 and 1 go.
+    for e in 4..6u64 {
+        g.checkpoint(&[(lane, (e + 1) * 1_000)], Vec::new())?;
+    }
+    for i in (0..4_000u64).step_by(7) {
+        assert_eq!(
+            g.check(lane, None, Some(hash(i)))?.is_fresh(),
+            i < 1_000,
+            "{i}"
+        );
+    }
+    // A hash of a dropped epoch is fresh again, and recorded anew.
+    assert!(g.record(lane, Some(9_999), Some(hash(5)))?.is_fresh());
+    g.checkpoint(&[(lane, 10_000)], Vec::new())?;
+    assert_eq!(
+        g.check(lane, None, Some(hash(5)))?,
+        dup(Reason::SameContent, 6)
+    );
+    Ok(())
+}
+
+#[test]
+fn batched_calls_answer_like_single_ones() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut g = Guard::builder(dir.path()).retention_epochs(2).open()?;
+    let a = g.lane("t", 0);
+    let b = g.lane("t", 1);
+    let probes: Vec<Probe> = (0..300u64)
+        .map(|i| {
+            let lane = if i % 3 == 0 { b } else { a };
+            // Repeats inside the batch: every fifth repeats content, every
+            // seventh a position.
+            let fp = Some(if i % 5 == 0 && i > 0 {
+                hash(i - 1)
+            } else {
+                hash(i)
+            });
+            let offset = if i % 7 == 0 { i.saturating_sub(1) } else { i };
+            Probe::new(lane, Some(offset), fp)
+        })
+        .collect();
+    let mut verdicts = Vec::new();
+    g.record_many(&probes[..200], &mut verdicts)?;
+    assert_eq!(verdicts.len(), 200);
+    g.checkpoint(&[(a, 200), (b, 200)], Vec::new())?;
+    let dir2 = tempfile::tempdir()?;
+    let mut single = Guard::builder(dir2.path()).retention_epochs(2).open()?;
+    let (a2, b2) = (single.lane("t", 0), single.lane("t", 1));
+    let map = |l: LaneId| if l == a { a2 } else { b2 };
+    let mut want = Vec::new();
+    for p in &probes[..200] {
+        want.push(single.record(map(p.lane), p.offset, p.fp)?);
+    }
+    assert_eq!(verdicts, want);
+    single.checkpoint(&[(a2, 200), (b2, 200)], Vec::new())?;
+    g.check_many(&probes, &mut verdicts)?;
+    let mut want = Vec::new();
+    for p in &probes {
+        want.push(single.check(map(p.lane), p.offset, p.fp)?);
+    }
+    assert_eq!(verdicts, want);
+    assert!(verdicts.iter().filter(|v| v.is_fresh()).count() >= 90);
+    assert_eq!(g.stats(), {
+        let mut s = single.stats();
+        s.disk_bytes = g.stats().disk_bytes;
+        s.disk_index_bytes = g.stats().disk_index_bytes;
+        s.last_checkpoint = g.stats().last_checkpoint;
+        s.last_recovery = g.stats().last_recovery;
+        s
+    });
+    // An unknown lane anywhere in the batch changes nothing.
+    let mut bad = probes.clone();
+    bad[150].lane = LaneId(9);
+    let before = g.stats();
+    assert!(matches!(
+        g.record_many(&bad, &mut verdicts),
+        Err(Error::UnknownLane(9))
+    ));
+    assert_eq!(g.stats(), before);
+    assert!(verdicts.is_empty());
+    Ok(())
 }

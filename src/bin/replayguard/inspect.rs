@@ -25,6 +25,15 @@ struct Report {
     epochs: Vec<EpochRow>,
     disk_bytes: u64,
     memory_bytes: u64,
+    /// Live content fingerprints held in memory (the open epoch's, and
+    /// every user id): inspect keeps the sealed epochs' hashes on disk.
+    memory_fingerprints: u64,
+    /// Live content hashes of sealed epochs, answered from disk.
+    disk_fingerprints: u64,
+    /// Of `memory_bytes`, the filters in front of the hashes on disk.
+    disk_filter_bytes: u64,
+    /// Of `disk_bytes`, the on-disk index of those hashes.
+    disk_index_bytes: u64,
     /// The manifest's sink bytes, decoded when they are JSON.
     sink: Option<serde_json::Value>,
     /// The sink bytes in hex when they are not JSON.
@@ -78,7 +87,12 @@ pub fn run(args: &InspectArgs) -> Result<(), Failure> {
 }
 
 fn read(path: &Path) -> Result<Report, Failure> {
-    let guard = Guard::builder(path).open().map_err(|e| match e {
+    // Sealed epochs stay on disk, so a folder with a long retention is
+    // inspected without loading it into memory.
+    let guard = Guard::builder(path)
+        .max_memory_bytes(Some(0))
+        .open()
+        .map_err(|e| match e {
         Error::InUse { path } => Failure::runtime(format!(
             "state folder {} is in use by a running replayguard; stop it first (inspect needs the folder's lock)",
             path.display()
@@ -141,7 +155,11 @@ fn read(path: &Path) -> Result<Report, Failure> {
         positions,
         epochs,
         disk_bytes: stats.disk_bytes,
-        memory_bytes: guard.memory_bytes() as u64,
+        memory_bytes: stats.memory_bytes,
+        memory_fingerprints: stats.memory_fingerprints,
+        disk_fingerprints: stats.disk_fingerprints,
+        disk_filter_bytes: stats.disk_filter_bytes,
+        disk_index_bytes: stats.disk_index_bytes,
         sink,
         sink_hex,
     })
@@ -180,10 +198,14 @@ fn table(r: &Report) -> String {
         None => t += "job           none recorded yet\n",
     }
     t += &format!("epoch         {} ({checkpoint})\n", r.epoch);
-    t += &format!("on disk       {} bytes\n", r.disk_bytes);
     t += &format!(
-        "memory        {} bytes (estimate, index of live epochs)\n",
-        r.memory_bytes
+        "on disk       {} bytes ({} bytes index the content of {} sealed-epoch fingerprints)\n",
+        r.disk_bytes, r.disk_index_bytes, r.disk_fingerprints
+    );
+    t += &format!(
+        "memory        {} bytes (estimate: {} fingerprints of the open epoch and ids, \
+         offsets, and {} bytes of filters in front of the disk)\n",
+        r.memory_bytes, r.memory_fingerprints, r.disk_filter_bytes
     );
 
     t += "\npositions (next offset to read)\n";

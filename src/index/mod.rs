@@ -1,0 +1,687 @@
+//! What was handled, per lane, over all its live epochs at once.
+//!
+//! A lookup costs the same whether a lane has 1 live epoch or 3,600:
+//!
+//! - **Content hashes** of every epoch held in memory, the open one
+//!   included, live in one [`FpTable`] per lane, each entry tagged with its
+//!   epoch. Sealing an epoch costs nothing; dropping one only raises the
+//!   lane's floor, below which entries no longer answer, and the table is
+//!   purged in one in-place pass once a quarter of it is below the floor.
+//! - **Offsets and user ids** of the open epoch are in its own roaring
+//!   bitmaps; those of all sealed epochs are also in one union per lane,
+//!   so a record that none of them holds is answered by two bitmap
+//!   lookups. Only a duplicate walks the epochs (newest first, skipping
+//!   those whose range cannot hold it) to name the epoch.
+//! - **Sealed epochs kept on disk** (under a memory budget) leave the
+//!   table; their hashes are answered by one [`DiskFilter`] per lane, and a
+//!   "maybe" becomes a disk read by the guard. Offsets and ids stay in
+//!   memory: in dense runs they cost a fraction of a byte.
+
+mod bloom;
+mod table;
+
+use std::collections::VecDeque;
+
+use roaring::RoaringTreemap;
+
+pub use bloom::DiskFilter;
+pub use table::{FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
+
+use crate::fingerprint::Fingerprint;
+
+/// What one epoch of one lane handled.
+#[derive(Debug)]
+pub struct EpochIndex {
+    epoch: u64,
+    offsets: RoaringTreemap,
+    /// The range of the offsets: a record outside it (the usual fresh
+    /// record) is answered without a bitmap lookup.
+    offset_range: Option<(u64, u64)>,
+    ids: RoaringTreemap,
+    id_range: Option<(u64, u64)>,
+    /// Content hashes recorded in this epoch.
+    hashes: u64,
+}
+
+fn widen(range: &mut Option<(u64, u64)>, lo: u64, hi: u64) {
+    *range = Some(match *range {
+        None => (lo, hi),
+        Some((a, b)) => (a.min(lo), b.max(hi)),
+    });
+}
+
+/// Bytes of a bitmap (its serialized size; nothing when empty).
+fn bitmap_bytes(b: &RoaringTreemap) -> usize {
+    if b.is_empty() { 0 } else { b.serialized_size() }
+}
+
+fn in_range(range: Option<(u64, u64)>, v: u64) -> bool {
+    range.is_some_and(|(lo, hi)| lo <= v && v <= hi)
+}
+
+impl EpochIndex {
+    fn new(epoch: u64) -> Self {
+        EpochIndex {
+            epoch,
+            offsets: RoaringTreemap::new(),
+            offset_range: None,
+            ids: RoaringTreemap::new(),
+            id_range: None,
+            hashes: 0,
+        }
+    }
+
+    /// Whether this epoch handled the offset.
+    #[must_use]
+    pub fn contains_offset(&self, offset: u64) -> bool {
+        in_range(self.offset_range, offset) && self.offsets.contains(offset)
+    }
+
+    /// Whether this epoch handled the user id.
+    #[must_use]
+    pub fn contains_id(&self, id: u64) -> bool {
+        in_range(self.id_range, id) && self.ids.contains(id)
+    }
+
+    /// The epoch number.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Number of content fingerprints (hashes and ids).
+    #[must_use]
+    pub fn fingerprints(&self) -> u64 {
+        self.hashes + self.ids.len()
+    }
+
+    /// Number of offsets.
+    #[must_use]
+    pub fn offsets(&self) -> u64 {
+        self.offsets.len()
+    }
+
+    fn bitmap_bytes(&self) -> usize {
+        bitmap_bytes(&self.offsets) + bitmap_bytes(&self.ids)
+    }
+}
+
+/// Why a record is a duplicate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The same (lane, offset) was handled: the application's own replay.
+    SamePosition,
+    /// The same content identity was handled at another position: an
+    /// upstream resend.
+    SameContent,
+}
+
+/// The answer of the in-memory index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// A duplicate, and the newest epoch that handled it.
+    Found(Reason, u64),
+    /// Not handled within the retention.
+    Fresh,
+    /// The content hash may be in a sealed epoch kept on disk: the caller
+    /// reads `key` there and calls [`resolve`] with what it found.
+    Disk {
+        /// The hash as it is keyed on disk (its tag bits cleared).
+        key: u128,
+        /// The newest epoch that handled the offset, if any.
+        position: Option<u64>,
+    },
+}
+
+/// Combines the newest epoch holding the position with the newest epoch
+/// holding the content: the newer one answers, and position wins a tie.
+#[must_use]
+pub fn resolve(position: Option<u64>, content: Option<u64>) -> Option<(Reason, u64)> {
+    match (position, content) {
+        (Some(p), Some(c)) if c > p => Some((Reason::SameContent, c)),
+        (Some(p), _) => Some((Reason::SamePosition, p)),
+        (None, Some(c)) => Some((Reason::SameContent, c)),
+        (None, None) => None,
+    }
+}
+
+/// The content hashes of one lane kept on disk, as the memory sees them.
+#[derive(Debug, Default)]
+pub struct DiskTier {
+    /// The filter in front of them; `None` before the first spill.
+    pub filter: Option<DiskFilter>,
+    /// Live hashes on disk (epochs at or above the oldest live one and
+    /// below the memory floor).
+    pub live: u64,
+}
+
+/// All live epochs of one lane.
+#[derive(Debug, Default)]
+pub struct LaneIndex {
+    /// Content hashes of the epochs at or above `floor`, tagged.
+    hashes: FpTable,
+    /// Entries of `hashes` below `floor` (an upper bound: some may have
+    /// been replaced in place).
+    below_floor: u64,
+    /// The open epoch: tags are decoded relative to it.
+    open: u64,
+    /// The oldest live epoch.
+    oldest: u64,
+    /// Epochs below it are not answered from `hashes`: they were dropped,
+    /// or their hashes are on disk.
+    floor: u64,
+    /// Live epochs that handled something, oldest first.
+    epochs: VecDeque<EpochIndex>,
+    /// Union of the offsets of the sealed epochs, and its range: a record
+    /// past it (the usual fresh record) skips the bitmap.
+    sealed_offsets: RoaringTreemap,
+    sealed_offset_range: Option<(u64, u64)>,
+    /// Union of the ids of the sealed epochs, and its range.
+    sealed_ids: RoaringTreemap,
+    sealed_id_range: Option<(u64, u64)>,
+    /// Hashes kept on disk.
+    disk: DiskTier,
+    /// Live content fingerprints (hashes and ids) and offsets.
+    live_fps: u64,
+    live_offsets: u64,
+    /// Serialized bytes of the sealed epochs' bitmaps and unions, as of
+    /// the last change.
+    sealed_bitmap_bytes: usize,
+}
+
+impl LaneIndex {
+    /// A lane whose open epoch is `open` and whose oldest live epoch is
+    /// `oldest`; epochs below `floor` keep their hashes on disk.
+    #[must_use]
+    pub fn new(open: u64, oldest: u64, floor: u64) -> Self {
+        LaneIndex {
+            open,
+            oldest,
+            floor: floor.max(oldest),
+            ..LaneIndex::default()
+        }
+    }
+
+    /// The epoch of a tag, relative to the open epoch.
+    #[inline]
+    fn epoch_of(&self, tag: u32) -> u64 {
+        let back = (tag_of(self.open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
+        self.open.wrapping_sub(back)
+    }
+
+    /// The epoch's index, created when absent. Epochs are created in
+    /// ascending order, except on load.
+    fn epoch_mut(&mut self, epoch: u64) -> &mut EpochIndex {
+        let at = match self.epochs.binary_search_by_key(&epoch, |e| e.epoch) {
+            Ok(at) => at,
+            Err(at) => {
+                self.epochs.insert(at, EpochIndex::new(epoch));
+                at
+            }
+        };
+        &mut self.epochs[at]
+    }
+
+    fn is_open(&self, e: &EpochIndex) -> bool {
+        e.epoch == self.open
+    }
+
+    /// The newest live epoch that handled the offset.
+    #[inline]
+    fn position(&self, offset: u64) -> Option<u64> {
+        if let Some(last) = self.epochs.back()
+            && self.is_open(last)
+            && last.contains_offset(offset)
+        {
+            return Some(last.epoch);
+        }
+        if !in_range(self.sealed_offset_range, offset) || !self.sealed_offsets.contains(offset) {
+            return None;
+        }
+        self.epochs
+            .iter()
+            .rev()
+            .find(|e| e.epoch < self.open && e.contains_offset(offset))
+            .map(|e| e.epoch)
+    }
+
+    /// The newest live epoch that handled the user id.
+    fn id_epoch(&self, id: u64) -> Option<u64> {
+        if let Some(last) = self.epochs.back()
+            && self.is_open(last)
+            && last.contains_id(id)
+        {
+            return Some(last.epoch);
+        }
+        if !in_range(self.sealed_id_range, id) || !self.sealed_ids.contains(id) {
+            return None;
+        }
+        self.epochs
+            .iter()
+            .rev()
+            .find(|e| e.epoch < self.open && e.contains_id(id))
+            .map(|e| e.epoch)
+    }
+
+    /// The epoch of the hash in memory, if it is there and at or above the
+    /// floor.
+    #[inline]
+    fn hash_epoch(&self, h: u128) -> Option<u64> {
+        let e = self.epoch_of(self.hashes.get(h)?);
+        (e >= self.floor).then_some(e)
+    }
+
+    /// Looks a record up in every live epoch.
+    #[must_use]
+    pub fn lookup(&self, offset: Option<u64>, fp: Option<Fingerprint>) -> Lookup {
+        let position = offset.and_then(|o| self.position(o));
+        let content = match fp {
+            None => None,
+            Some(Fingerprint::Id(id)) => self.id_epoch(id),
+            Some(Fingerprint::Hash(h)) => match self.hash_epoch(h) {
+                Some(e) => Some(e),
+                None => {
+                    // Anything on disk is older than the floor, so older
+                    // than a position held in memory at or above it.
+                    let newer = position.is_some_and(|p| p >= self.floor);
+                    if !newer && self.disk.filter.as_ref().is_some_and(|f| f.may_hold(h)) {
+                        return Lookup::Disk {
+                            key: key_of(h),
+                            position,
+                        };
+                    }
+                    None
+                }
+            },
+        };
+        match resolve(position, content) {
+            Some((r, e)) => Lookup::Found(r, e),
+            None => Lookup::Fresh,
+        }
+    }
+
+    /// Whether an epoch read from disk for a hash is live. Entries of
+    /// dropped epochs stay on disk until compaction removes them; they
+    /// never answer.
+    #[must_use]
+    pub fn disk_epoch_is_live(&self, epoch: u64) -> bool {
+        epoch >= self.oldest && epoch <= self.open
+    }
+
+    /// First stage of a batched lookup: fetches the filter words the
+    /// lookup of `fp` will read.
+    #[inline]
+    pub fn prefetch_filters(&self, fp: Option<Fingerprint>) {
+        if let Some(Fingerprint::Hash(h)) = fp {
+            self.hashes.prefetch_filter(h);
+            if let Some(f) = &self.disk.filter {
+                f.prefetch(h);
+            }
+        }
+    }
+
+    /// Second stage of a batched lookup: once the filter word is in the
+    /// cache, fetches the slot it lets through to.
+    #[inline]
+    pub fn prefetch_slots(&self, fp: Option<Fingerprint>) {
+        if let Some(Fingerprint::Hash(h)) = fp
+            && self.hashes.may_hold(h)
+        {
+            self.hashes.prefetch_slot(h);
+        }
+    }
+
+    /// Second stage of a batched record: fetches the slot the insert of
+    /// `fp` will write, whatever the filter says.
+    #[inline]
+    pub fn prefetch_insert(&self, fp: Option<Fingerprint>) {
+        if let Some(Fingerprint::Hash(h)) = fp {
+            self.hashes.prefetch_slot(h);
+        }
+    }
+
+    /// Records a handled record in `epoch` (the open one, or on load an
+    /// older one). The caller has looked it up first: inserting a duplicate
+    /// is a logic error.
+    pub fn insert(&mut self, epoch: u64, offset: Option<u64>, fp: Option<Fingerprint>) {
+        let floor = self.floor;
+        let open = self.open;
+        let sealed = epoch < open;
+        if let Some(Fingerprint::Hash(h)) = fp {
+            let dead = |tag: u32| {
+                let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
+                open.wrapping_sub(back) < floor
+            };
+            if self.hashes.insert(h, tag_of(epoch), dead) != Insert::Added {
+                return self.insert_bitmaps(epoch, offset, None, sealed);
+            }
+            self.epoch_mut(epoch).hashes += 1;
+            self.live_fps += 1;
+        }
+        let id = match fp {
+            Some(Fingerprint::Id(id)) => Some(id),
+            _ => None,
+        };
+        self.insert_bitmaps(epoch, offset, id, sealed);
+    }
+
+    fn insert_bitmaps(&mut self, epoch: u64, offset: Option<u64>, id: Option<u64>, sealed: bool) {
+        if offset.is_none() && id.is_none() {
+            return;
+        }
+        let e = self.epoch_mut(epoch);
+        let mut added = (0, 0);
+        if let Some(o) = offset {
+            added.0 = u64::from(e.offsets.insert(o));
+            widen(&mut e.offset_range, o, o);
+        }
+        if let Some(i) = id {
+            added.1 = u64::from(e.ids.insert(i));
+            widen(&mut e.id_range, i, i);
+        }
+        self.live_offsets += added.0;
+        self.live_fps += added.1;
+        if sealed {
+            if let Some(o) = offset {
+                self.sealed_offsets.insert(o);
+            }
+            if let Some(i) = id {
+                self.sealed_ids.insert(i);
+            }
+            self.refresh_ranges();
+        }
+    }
+
+    /// Re-reads the ranges of the sealed unions after they changed.
+    fn refresh_ranges(&mut self) {
+        let range = |b: &RoaringTreemap| b.min().zip(b.max());
+        self.sealed_offset_range = range(&self.sealed_offsets);
+        self.sealed_id_range = range(&self.sealed_ids);
+    }
+
+    /// Merges a bitmap of offsets into `epoch` (on load, and for offsets
+    /// carried into the open epoch).
+    pub fn merge_offsets(&mut self, epoch: u64, offsets: &RoaringTreemap) {
+        if offsets.is_empty() {
+            return;
+        }
+        let sealed = epoch < self.open;
+        let e = self.epoch_mut(epoch);
+        let before = e.offsets.len();
+        e.offsets |= offsets;
+        let added = e.offsets.len() - before;
+        if let (Some(lo), Some(hi)) = (offsets.min(), offsets.max()) {
+            widen(&mut e.offset_range, lo, hi);
+        }
+        self.live_offsets += added;
+        if sealed {
+            self.sealed_offsets |= offsets;
+            self.refresh_ranges();
+        }
+    }
+
+    /// Merges a bitmap of ids into `epoch` (on load).
+    pub fn merge_ids(&mut self, epoch: u64, ids: &RoaringTreemap) {
+        if ids.is_empty() {
+            return;
+        }
+        let sealed = epoch < self.open;
+        let e = self.epoch_mut(epoch);
+        let before = e.ids.len();
+        e.ids |= ids;
+        let added = e.ids.len() - before;
+        if let (Some(lo), Some(hi)) = (ids.min(), ids.max()) {
+            widen(&mut e.id_range, lo, hi);
+        }
+        self.live_fps += added;
+        if sealed {
+            self.sealed_ids |= ids;
+            self.refresh_ranges();
+        }
+    }
+
+    /// Adds the hashes recovered for the epochs kept in memory, each made
+    /// by [`tagged`]: all of a lane's epochs at once, so the table is laid
+    /// out once.
+    pub fn load_hashes(&mut self, entries: Vec<u128>) {
+        self.hashes = FpTable::from_tagged(entries, table::PACKED_LOAD_PCT);
+        let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
+        let open = self.open;
+        self.hashes.for_each(|_, tag| {
+            let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
+            *counts.entry(open.wrapping_sub(back)).or_default() += 1;
+        });
+        for (e, n) in counts {
+            self.epoch_mut(e).hashes = n;
+            self.live_fps += n;
+        }
+    }
+
+    /// Counts hashes recovered for an epoch kept on disk.
+    pub fn count_disk_hashes(&mut self, epoch: u64, n: u64) {
+        self.epoch_mut(epoch).hashes += n;
+        self.disk.live += n;
+        self.live_fps += n;
+    }
+
+    /// Packs the sealed epochs' bitmaps and counts their bytes (after a
+    /// load).
+    pub fn seal_loaded(&mut self) {
+        let open = self.open;
+        let mut bytes = 0;
+        for e in self.epochs.iter_mut().filter(|e| e.epoch < open) {
+            e.offsets.optimize();
+            e.ids.optimize();
+            bytes += e.bitmap_bytes();
+        }
+        self.sealed_offsets.optimize();
+        self.sealed_ids.optimize();
+        self.refresh_ranges();
+        self.sealed_bitmap_bytes = bytes;
+    }
+
+    /// Closes the open epoch: its bitmaps join the sealed unions, packed,
+    /// and `next` opens. When the closed epoch holds a quarter of the table
+    /// or more, the table is laid out fuller, in one pass that costs at
+    /// most four times what the epoch's inserts did; smaller epochs leave
+    /// it as it is, so a checkpoint never costs a pass over many epochs.
+    pub fn close(&mut self, next: u64) {
+        if let Some(last) = self.epochs.back_mut()
+            && last.epoch == self.open
+        {
+            if last.hashes * 4 >= self.hashes.len() as u64 {
+                self.hashes.pack();
+            }
+            last.offsets.optimize();
+            last.ids.optimize();
+            self.sealed_bitmap_bytes += last.bitmap_bytes();
+            self.sealed_offsets |= &last.offsets;
+            self.sealed_ids |= &last.ids;
+            self.sealed_offsets.optimize();
+            self.sealed_ids.optimize();
+            self.refresh_ranges();
+        }
+        self.open = next;
+    }
+
+    /// The offsets at or past `position` held by the epochs older than
+    /// `oldest_live` (see `Guard::checkpoint`). Reads only those epochs.
+    #[must_use]
+    pub fn carried(&self, oldest_live: u64, position: u64) -> RoaringTreemap {
+        let mut carried = RoaringTreemap::new();
+        for e in self.epochs.iter().take_while(|e| e.epoch < oldest_live) {
+            if e.offset_range.is_some_and(|(_, hi)| hi >= position) {
+                let mut tail = e.offsets.clone();
+                tail.remove_range(..position);
+                carried |= tail;
+            }
+        }
+        carried
+    }
+
+    /// Drops every epoch older than `oldest_live`, whole: the cost is that
+    /// of the dropped epochs' bitmaps, not of the live ones. The table is
+    /// purged once a quarter of it is below the floor, or when its oldest
+    /// tags would soon be ambiguous.
+    pub fn drop_before(&mut self, oldest_live: u64) {
+        while self.epochs.front().is_some_and(|e| e.epoch < oldest_live) {
+            let Some(e) = self.epochs.pop_front() else {
+                break;
+            };
+            self.sealed_offsets -= &e.offsets;
+            self.sealed_ids -= &e.ids;
+            if e.epoch < self.open {
+                self.sealed_bitmap_bytes =
+                    self.sealed_bitmap_bytes.saturating_sub(e.bitmap_bytes());
+            }
+            self.live_fps = self.live_fps.saturating_sub(e.fingerprints());
+            self.live_offsets = self.live_offsets.saturating_sub(e.offsets());
+            if e.epoch >= self.floor {
+                self.below_floor += e.hashes;
+            } else {
+                self.disk.live = self.disk.live.saturating_sub(e.hashes);
+            }
+        }
+        self.refresh_ranges();
+        self.oldest = self.oldest.max(oldest_live);
+        self.floor = self.floor.max(self.oldest);
+        self.maybe_purge();
+    }
+
+    /// Marks the epochs below `floor` as kept on disk: their hashes leave
+    /// the table (the caller has written them to disk and into the lane's
+    /// filter first).
+    pub fn lower_to_disk(&mut self, floor: u64) {
+        if floor <= self.floor {
+            return;
+        }
+        for e in self.epochs.iter() {
+            if e.epoch >= self.floor && e.epoch < floor {
+                self.below_floor += e.hashes;
+                self.disk.live += e.hashes;
+            }
+        }
+        self.floor = floor;
+        self.purge();
+    }
+
+    fn maybe_purge(&mut self) {
+        let stale = self.below_floor * 4 > self.hashes.len() as u64;
+        // Tags repeat every TAG_SPAN epochs: entries must leave before
+        // they could be read as a newer epoch.
+        let aging = self.open.saturating_sub(self.floor) > TAG_SPAN / 4 && self.below_floor > 0;
+        if stale || aging {
+            self.purge();
+        }
+    }
+
+    fn purge(&mut self) {
+        let (open, floor) = (self.open, self.floor);
+        self.hashes.purge(|tag| {
+            let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
+            open.wrapping_sub(back) < floor
+        });
+        self.below_floor = 0;
+    }
+
+    /// The entries of the table whose epochs are in `from..to`, in key
+    /// order, as `(key, epoch)`.
+    pub fn hashes_in(&self, from: u64, to: u64, mut f: impl FnMut(u128, u64)) {
+        for (key, e) in self.iter_hashes_in(from, to) {
+            f(key, e);
+        }
+    }
+
+    /// [`LaneIndex::hashes_in`] as an iterator.
+    pub fn iter_hashes_in(&self, from: u64, to: u64) -> impl Iterator<Item = (u128, u64)> + '_ {
+        self.hashes
+            .iter()
+            .map(|(key, tag)| (key, self.epoch_of(tag)))
+            .filter(move |(_, e)| (from..to).contains(e))
+    }
+
+    /// Content hashes recorded in `epoch`.
+    #[must_use]
+    pub fn epoch_hashes(&self, epoch: u64) -> u64 {
+        self.epochs
+            .binary_search_by_key(&epoch, |e| e.epoch)
+            .map_or(0, |at| self.epochs[at].hashes)
+    }
+
+    /// The lane's disk tier.
+    pub fn disk_mut(&mut self) -> &mut DiskTier {
+        &mut self.disk
+    }
+
+    /// The lane's disk tier.
+    #[must_use]
+    pub fn disk(&self) -> &DiskTier {
+        &self.disk
+    }
+
+    /// The memory floor: epochs below it keep their hashes on disk.
+    #[cfg(test)]
+    #[must_use]
+    pub fn floor(&self) -> u64 {
+        self.floor
+    }
+
+    /// The live epochs, oldest first.
+    pub fn epochs(&self) -> impl Iterator<Item = &EpochIndex> {
+        self.epochs.iter()
+    }
+
+    /// Every live offset.
+    #[must_use]
+    pub fn live_offsets(&self) -> RoaringTreemap {
+        let mut all = self.sealed_offsets.clone();
+        if let Some(last) = self.epochs.back()
+            && self.is_open(last)
+        {
+            all |= &last.offsets;
+        }
+        all
+    }
+
+    /// Live content fingerprints (hashes and ids), on disk or not.
+    #[must_use]
+    pub fn live_fingerprints(&self) -> u64 {
+        self.live_fps
+    }
+
+    /// Live offsets.
+    #[must_use]
+    pub fn live_offset_count(&self) -> u64 {
+        self.live_offsets
+    }
+
+    /// Heap bytes held in memory: the table, the bitmaps and the disk
+    /// filter. Cheap: sealed bitmaps are counted as they are sealed.
+    #[must_use]
+    pub fn memory_bytes(&self) -> usize {
+        let open = self
+            .epochs
+            .back()
+            .filter(|e| self.is_open(e))
+            .map_or(0, EpochIndex::bitmap_bytes);
+        self.hashes.memory_bytes()
+            + open
+            + self.sealed_bitmap_bytes
+            + bitmap_bytes(&self.sealed_offsets)
+            + bitmap_bytes(&self.sealed_ids)
+            + self
+                .disk
+                .filter
+                .as_ref()
+                .map_or(0, DiskFilter::memory_bytes)
+    }
+
+    /// Bytes of the table alone, and its entries (live or not).
+    #[must_use]
+    pub fn table_bytes(&self) -> (usize, usize) {
+        (self.hashes.memory_bytes(), self.hashes.len())
+    }
+}
+
+#[cfg(test)]
+mod test;

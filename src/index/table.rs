@@ -1,0 +1,545 @@
+//! [`FpTable`]: one ordered linear-probing table of content hashes for all
+//! the in-memory epochs of a lane, each entry tagged with its epoch.
+
+/// Bits of a slot that hold the entry's epoch tag (the epoch modulo 2^24).
+/// The other 104 bits are the top of the 128-bit hash: two hashes that
+/// agree there are one identity in memory and on disk. At 1M records/s
+/// with a window of 1e9 identities that merges two real events about once
+/// in 2.3e11 days (8.64e10 * 1e9 / 2^104 = 4.3e-12 a day), within the
+/// design's bound of 1e-9 a day.
+pub const TAG_BITS: u32 = 24;
+/// Tags are the epoch modulo this.
+pub const TAG_SPAN: u64 = 1 << TAG_BITS;
+const TAG_MASK: u128 = (1 << TAG_BITS) - 1;
+const KEY_MASK: u128 = !TAG_MASK;
+
+/// Load, in percent of the home slots, above which the table grows.
+const MAX_LOAD_PCT: usize = 85;
+/// Load at which a table is laid out after a purge or a bulk load. Probes
+/// get slower quickly above it (measured at 10M: about 60 ns at 80%,
+/// 140 ns at 92%).
+pub const PACKED_LOAD_PCT: usize = 85;
+
+/// The part of a hash that the table compares.
+#[inline]
+#[must_use]
+pub fn key_of(h: u128) -> u128 {
+    h & KEY_MASK
+}
+
+/// A hash with its tag, as a slot holds it.
+#[inline]
+#[must_use]
+pub fn tagged(h: u128, tag: u32) -> u128 {
+    key_of(h) | u128::from(tag) & TAG_MASK
+}
+
+/// The tag of an epoch.
+#[inline]
+#[must_use]
+pub fn tag_of(epoch: u64) -> u32 {
+    (epoch & (TAG_SPAN - 1)) as u32
+}
+
+/// A set of uniform 128-bit hashes, each with a 24-bit tag: an ordered
+/// linear-probing table.
+///
+/// A slot holds the hash's top 104 bits and the tag in the low 24 bits,
+/// 16 bytes in all; 0 marks an empty slot, and the one key that would be
+/// 0 is kept beside the slots. A hash's home slot is its top 64 bits
+/// scaled to the number of home slots, so homes are monotone in the hash.
+/// Invariants:
+///
+/// - the non-empty slots are in ascending order across the whole table,
+///   and no two share a key;
+/// - every entry sits at or after its home, with no empty slot between;
+/// - the last slot is always empty, so a scan always ends.
+///
+/// A lookup starts at the home and scans while the slots hold smaller
+/// keys: one cache miss and a few neighbours. An insert shifts the rest of
+/// its cluster right by one.
+///
+/// In front of the slots sits a small Bloom filter, 6 bits a home slot in
+/// one 64-bit word per lookup. The word is chosen by the home (so a batch
+/// can fetch both at once), the three bits by the hash's middle bits. It
+/// is about 1/20 of the table, so it mostly stays in the CPU cache, and
+/// it answers about 19 lookups of an absent hash in 20 without touching
+/// the slots: fresh records are the common case.
+///
+/// The table does not know which tags are live: [`FpTable::purge`] drops
+/// the entries its caller no longer wants, in one in-place pass.
+#[derive(Debug, Default)]
+pub struct FpTable {
+    slots: Box<[u128]>,
+    filter: Box<[u64]>,
+    homes: usize,
+    len: usize,
+    /// The tag of the hash whose key is 0, if it is held.
+    zero: Option<u32>,
+}
+
+/// Filter words for `homes` home slots: 6 bits each.
+fn filter_words(homes: usize) -> usize {
+    (homes * 3 / 32).max(1)
+}
+
+/// The filter word of `h` among `words`, and the bits it sets there.
+#[inline]
+fn filter_bits(h: u128, words: usize) -> (usize, u64) {
+    let word = ((u128::from((h >> 64) as u64) * words as u128) >> 64) as usize;
+    let mid = (h >> TAG_BITS) as u64;
+    let bits = (1u64 << (mid & 63)) | (1u64 << ((mid >> 6) & 63)) | (1u64 << ((mid >> 12) & 63));
+    (word, bits)
+}
+
+/// The home slot of `h` in a table of `homes` home slots.
+#[inline]
+fn home_of(h: u128, homes: usize) -> usize {
+    ((u128::from((h >> 64) as u64) * homes as u128) >> 64) as usize
+}
+
+/// Slots of a table with `homes` home slots: room past the last home for
+/// clusters that spill over, and the always-empty last slot.
+fn slots_for(homes: usize) -> usize {
+    homes + homes / 512 + 32
+}
+
+/// Lays out the entries held in `v` (ascending, with any number of empty
+/// slots between them) over at least `homes` home slots. Returns the slots
+/// and the number of home slots used.
+///
+/// The layout is canonical: each entry goes to `max(home, previous + 1)`.
+/// When every entry moves right (a bigger table, or a compact sorted
+/// vector), it is done in place: the vector is extended (a `realloc`,
+/// which for large tables remaps pages rather than copying them) and the
+/// entries are moved from the last one down. When every entry moves left
+/// (a smaller table), it is done in place from the first one up.
+/// Otherwise a new vector is laid out.
+fn lay_out(mut v: Vec<u128>, homes: usize) -> (Box<[u128]>, usize) {
+    let mut homes = homes.max(16);
+    let count = v.iter().filter(|&&s| s != 0).count();
+    loop {
+        let len = slots_for(homes);
+        // Where each entry goes, and which way they all move.
+        let (mut right, mut left, mut fits) = (true, true, true);
+        let track = len <= u32::MAX as usize;
+        let mut places: Vec<u32> = Vec::with_capacity(if track { count } else { 0 });
+        let mut next = 0;
+        for (q, &h) in v.iter().enumerate().filter(|(_, s)| **s != 0) {
+            let at = home_of(h, homes).max(next);
+            // Keep the last slot empty; spill-over this long is rare.
+            if at + 1 >= len {
+                fits = false;
+                break;
+            }
+            right &= at >= q;
+            left &= at <= q;
+            if track {
+                places.push(at as u32);
+            }
+            next = at + 1;
+        }
+        if !fits {
+            homes += homes / 8 + 16;
+            continue;
+        }
+        if track && right && len >= v.len() {
+            let old = v.len();
+            v.reserve_exact(len - old);
+            v.resize(len, 0);
+            let mut k = places.len();
+            for q in (0..old).rev() {
+                let h = v[q];
+                if h != 0 {
+                    k -= 1;
+                    let at = places[k] as usize;
+                    if at != q {
+                        v[at] = h;
+                        v[q] = 0;
+                    }
+                }
+            }
+            return (v.into_boxed_slice(), homes);
+        }
+        if track && left {
+            let mut k = 0;
+            for q in 0..v.len() {
+                let h = v[q];
+                if h != 0 {
+                    let at = places[k] as usize;
+                    k += 1;
+                    if at != q {
+                        v[at] = h;
+                        v[q] = 0;
+                    }
+                }
+            }
+            v.truncate(len);
+            v.resize(len, 0);
+            return (v.into_boxed_slice(), homes);
+        }
+        let mut slots = vec![0u128; len].into_boxed_slice();
+        let mut next = 0;
+        for &h in v.iter().filter(|&&s| s != 0) {
+            let at = home_of(h, homes).max(next);
+            slots[at] = h;
+            next = at + 1;
+        }
+        return (slots, homes);
+    }
+}
+
+/// Asks the kernel to back a large array with 2 MiB pages, now.
+///
+/// A lookup in a table of hundreds of megabytes touches a random page
+/// each time; with 4 KiB pages nearly every one is also a TLB miss, which
+/// a prefetch waits for too. The tables are laid out in place, so their
+/// pages are already touched: `MADV_COLLAPSE` (Linux 6.1 and later)
+/// moves them into huge pages at once, one copy of the array, no more
+/// than the layout itself costs. Elsewhere, or when the kernel says no,
+/// nothing changes but speed.
+pub fn advise_huge_pages<T>(s: &[T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let bytes = std::mem::size_of_val(s);
+        if bytes < 2 * HUGE {
+            return;
+        }
+        let start = s.as_ptr() as usize;
+        let from = start.div_ceil(HUGE) * HUGE;
+        let to = (start + bytes) / HUGE * HUGE;
+        if to > from {
+            // SAFETY: madvise only changes how the kernel backs these
+            // pages, which lie inside the live allocation `s`; their
+            // contents stay as they are. Errors are ignored: it is advice.
+            unsafe {
+                let p = from as *mut libc::c_void;
+                libc::madvise(p, to - from, libc::MADV_HUGEPAGE);
+                libc::madvise(p, to - from, libc::MADV_COLLAPSE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = s;
+}
+
+/// Hints the CPU to fetch the cache line at `p`. A hint only: it never
+/// faults, and without it the lookups are the same, only slower.
+#[inline(always)]
+pub fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is a hint; it does not dereference `p` and
+    // cannot fault, whatever the address. SSE is part of x86_64.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// What an insert found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Insert {
+    /// The hash was added with the given tag.
+    Added,
+    /// The hash is there already, with this tag; nothing changed.
+    Present(u32),
+}
+
+impl FpTable {
+    /// The tag held with `h`, if the table holds it.
+    #[inline]
+    #[must_use]
+    pub fn get(&self, h: u128) -> Option<u32> {
+        let key = key_of(h);
+        if key == 0 {
+            return self.zero;
+        }
+        let (word, bits) = filter_bits(key, self.filter.len());
+        if self.filter.get(word).is_none_or(|w| w & bits != bits) {
+            return None;
+        }
+        self.scan(key)
+    }
+
+    /// Whether the filter lets `h` through (a lookup would read slots).
+    #[inline]
+    #[must_use]
+    pub fn may_hold(&self, h: u128) -> bool {
+        let key = key_of(h);
+        if key == 0 {
+            return self.zero.is_some();
+        }
+        let (word, bits) = filter_bits(key, self.filter.len());
+        self.filter.get(word).is_some_and(|w| w & bits == bits)
+    }
+
+    /// The slot scan of [`FpTable::get`], past the filter.
+    #[inline]
+    fn scan(&self, key: u128) -> Option<u32> {
+        let from = home_of(key, self.homes);
+        for &s in self.slots.get(from..).unwrap_or_default() {
+            if s == 0 || s >= key {
+                return (s != 0 && s & KEY_MASK == key).then_some((s & TAG_MASK) as u32);
+            }
+        }
+        None
+    }
+
+    /// Fetches the filter word of `h` into the cache.
+    #[inline]
+    pub fn prefetch_filter(&self, h: u128) {
+        let (word, _) = filter_bits(key_of(h), self.filter.len());
+        if let Some(w) = self.filter.get(word) {
+            prefetch(w);
+        }
+    }
+
+    /// Fetches the home slot of `h` into the cache, and the line after
+    /// it: a hash sits about 2 to 4 slots past its home in a full table,
+    /// often across a line boundary.
+    #[inline]
+    pub fn prefetch_slot(&self, h: u128) {
+        let home = home_of(h, self.homes);
+        if let Some(s) = self.slots.get(home) {
+            prefetch(s);
+        }
+        if let Some(s) = self.slots.get(home + 4) {
+            prefetch(s);
+        }
+    }
+
+    /// Adds `h` with `tag`, unless the table holds it already. An entry
+    /// whose tag `dead` accepts is replaced (its epoch left the memory).
+    pub fn insert(&mut self, h: u128, tag: u32, dead: impl Fn(u32) -> bool) -> Insert {
+        let key = key_of(h);
+        let entry = tagged(h, tag);
+        if key == 0 {
+            return match self.zero {
+                Some(t) if !dead(t) => Insert::Present(t),
+                _ => {
+                    self.zero = Some(tag);
+                    Insert::Added
+                }
+            };
+        }
+        if (self.len + 1) * 100 > self.homes * MAX_LOAD_PCT {
+            let grown = if self.homes < 4096 {
+                (self.homes * 2).max(16)
+            } else {
+                self.homes + self.homes / 5
+            };
+            self.grow(grown);
+        }
+        loop {
+            let from = home_of(key, self.homes);
+            // The last slot is empty, so both scans find a slot.
+            let i = from
+                + self.slots[from..]
+                    .iter()
+                    .position(|&s| s >= key || s == 0)
+                    .unwrap_or(0);
+            let s = self.slots[i];
+            if s != 0 && s & KEY_MASK == key {
+                let t = (s & TAG_MASK) as u32;
+                if !dead(t) {
+                    return Insert::Present(t);
+                }
+                self.slots[i] = entry;
+                return Insert::Added;
+            }
+            let free = self.slots[i..].iter().position(|&s| s == 0);
+            match free.map(|e| i + e) {
+                Some(j) if j + 1 < self.slots.len() => {
+                    self.slots.copy_within(i..j, i + 1);
+                    self.slots[i] = entry;
+                    self.len += 1;
+                    let (word, bits) = filter_bits(key, self.filter.len());
+                    if let Some(w) = self.filter.get_mut(word) {
+                        *w |= bits;
+                    }
+                    return Insert::Added;
+                }
+                // The cluster would take the last slot: grow, then retry.
+                _ => self.grow(self.homes + self.homes / 5 + 16),
+            }
+        }
+    }
+
+    #[cfg(test)]
+    /// Makes room for `additional` more hashes without growing.
+    pub fn reserve(&mut self, additional: usize) {
+        let need = (self.len + additional) * 100 / MAX_LOAD_PCT + 1;
+        if need > self.homes {
+            self.rebuild(need);
+        }
+    }
+
+    #[cfg(test)]
+    /// A table holding `entries`, each a hash with its tag (in any order),
+    /// laid out `load_pct` full: a sort and one pass, much faster than
+    /// inserting one by one into a large table. Of two entries with the
+    /// same key, the one with the higher tag is kept.
+    #[must_use]
+    pub fn from_entries(entries: impl IntoIterator<Item = (u128, u32)>, load_pct: usize) -> Self {
+        let v: Vec<u128> = entries.into_iter().map(|(h, t)| tagged(h, t)).collect();
+        Self::from_tagged(v, load_pct)
+    }
+
+    /// [`FpTable::from_entries`] over entries already made by [`tagged`].
+    #[must_use]
+    pub fn from_tagged(mut v: Vec<u128>, load_pct: usize) -> Self {
+        v.sort_unstable();
+        // Sorted, equal keys are adjacent and the highest tag is last.
+        v.dedup_by(|later, earlier| {
+            let same = *later & KEY_MASK == *earlier & KEY_MASK;
+            if same {
+                *earlier = *later;
+            }
+            same
+        });
+        let mut zero = None;
+        if v.first().is_some_and(|&s| s & KEY_MASK == 0) {
+            zero = Some((v.remove(0) & TAG_MASK) as u32);
+        }
+        let len = v.len();
+        let (slots, homes) = lay_out(v, len * 100 / load_pct + 1);
+        advise_huge_pages(&slots);
+        let mut t = FpTable {
+            slots,
+            filter: Box::default(),
+            homes,
+            len,
+            zero,
+        };
+        t.refill_with(true);
+        t
+    }
+
+    /// Drops every entry whose tag `drop` accepts, then lays the table out
+    /// again `PACKED_LOAD_PCT` full if it is much emptier than that. One
+    /// pass over the slots, in place, and one over the filter. Returns the
+    /// number of entries dropped.
+    pub fn purge(&mut self, drop: impl Fn(u32) -> bool) -> usize {
+        let before = self.len();
+        if self.zero.is_some_and(&drop) {
+            self.zero = None;
+        }
+        // Removing entries only moves the others left, towards their
+        // homes, so one pass from the first slot up is safe: every slot
+        // between `next` and the one read is already empty.
+        let mut next = 0;
+        let mut kept = 0;
+        for q in 0..self.slots.len() {
+            let s = self.slots[q];
+            if s == 0 {
+                continue;
+            }
+            self.slots[q] = 0;
+            if drop((s & TAG_MASK) as u32) {
+                continue;
+            }
+            let at = home_of(s, self.homes).max(next);
+            self.slots[at] = s;
+            next = at + 1;
+            kept += 1;
+        }
+        self.len = kept;
+        if self.is_empty() {
+            *self = FpTable::default();
+            return before;
+        }
+        let packed = kept * 100 / PACKED_LOAD_PCT + 1;
+        if packed * 4 < self.homes * 3 {
+            self.grow(packed);
+        } else {
+            self.refill();
+        }
+        before - self.len()
+    }
+
+    /// Lays the table out `PACKED_LOAD_PCT` full, if it is emptier.
+    pub fn pack(&mut self) {
+        let homes = self.len * 100 / PACKED_LOAD_PCT + 1;
+        if homes < self.homes {
+            self.rebuild(homes);
+        }
+    }
+
+    /// Calls `f(hash_key, tag)` for every entry, in ascending key order
+    /// (the key is the hash with its tag bits cleared).
+    pub fn for_each(&self, mut f: impl FnMut(u128, u32)) {
+        for (k, t) in self.iter() {
+            f(k, t);
+        }
+    }
+
+    /// Every entry as `(hash_key, tag)`, in ascending key order.
+    pub fn iter(&self) -> impl Iterator<Item = (u128, u32)> + '_ {
+        self.zero.map(|t| (0, t)).into_iter().chain(
+            self.slots
+                .iter()
+                .filter(|&&s| s != 0)
+                .map(|&s| (s & KEY_MASK, (s & TAG_MASK) as u32)),
+        )
+    }
+
+    /// [`FpTable::rebuild`] for a table that grows under inserts or is
+    /// purged: no huge-page advice, which would cost a copy (or, asked
+    /// for ahead, page faults that compact memory) every time.
+    fn grow(&mut self, homes: usize) {
+        let slots = std::mem::take(&mut self.slots).into_vec();
+        (self.slots, self.homes) = lay_out(slots, homes);
+        self.refill_with(false);
+    }
+
+    /// Lays the entries out again over `homes` home slots (at least), for
+    /// a table that is then mostly read: its pages are collapsed into huge
+    /// pages.
+    fn rebuild(&mut self, homes: usize) {
+        let slots = std::mem::take(&mut self.slots).into_vec();
+        (self.slots, self.homes) = lay_out(slots, homes);
+        advise_huge_pages(&self.slots);
+        self.refill_with(true);
+    }
+
+    /// Sizes the filter for the home slots and sets every entry's bits.
+    fn refill(&mut self) {
+        self.refill_with(false);
+    }
+
+    fn refill_with(&mut self, huge: bool) {
+        let words = filter_words(self.homes);
+        let mut filter = vec![0u64; words].into_boxed_slice();
+        if huge {
+            advise_huge_pages(&filter);
+        }
+        for &h in self.slots.iter().filter(|&&s| s != 0) {
+            let (word, bits) = filter_bits(h, words);
+            filter[word] |= bits;
+        }
+        self.filter = filter;
+    }
+
+    /// Number of entries.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len + usize::from(self.zero.is_some())
+    }
+
+    /// Whether the table is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Heap bytes held: the slots and the filter.
+    #[must_use]
+    pub fn memory_bytes(&self) -> usize {
+        self.slots.len() * 16 + self.filter.len() * 8
+    }
+}
+
+#[cfg(test)]
+mod test;

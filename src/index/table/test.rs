@@ -1,0 +1,187 @@
+use super::*;
+
+impl FpTable {
+    /// Checks the invariants the lookups rely on.
+    fn check_invariants(&self) {
+        let mut prev = 0u128;
+        let mut count = 0;
+        for (i, &s) in self.slots.iter().enumerate() {
+            if s == 0 {
+                continue;
+            }
+            count += 1;
+            assert!(s > prev, "slot {i} out of order");
+            assert!(
+                prev == 0 || s & KEY_MASK != prev & KEY_MASK,
+                "slot {i} repeats a key"
+            );
+            prev = s;
+            let home = home_of(s, self.homes);
+            assert!(home <= i, "slot {i} before its home {home}");
+            assert!(
+                self.slots[home..i].iter().all(|&x| x != 0),
+                "gap between home {home} and slot {i}"
+            );
+        }
+        assert_eq!(count, self.len);
+        assert_eq!(self.slots.last().copied().unwrap_or(0), 0, "last slot used");
+        if self.homes > 0 {
+            assert_eq!(self.filter.len(), filter_words(self.homes));
+        }
+        for &h in self.slots.iter().filter(|&&s| s != 0) {
+            let (word, bits) = filter_bits(h, self.filter.len());
+            assert_eq!(self.filter[word] & bits, bits, "filter misses {h:x}");
+        }
+    }
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+fn never(_: u32) -> bool {
+    false
+}
+
+fn added(t: &mut FpTable, h: u128) -> bool {
+    t.insert(h, 1, never) == Insert::Added
+}
+
+#[test]
+fn table_matches_a_hash_set() {
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut t = FpTable::default();
+    let mut model = std::collections::HashSet::new();
+    assert!(t.get(1 << 24).is_none() && t.get(0).is_none() && t.is_empty());
+    for round in 0..40_000u64 {
+        let h = xxhash_rust::xxh3::xxh3_128(&(xorshift(&mut x) % 30_000).to_le_bytes());
+        let h = if round % 997 == 0 { 0 } else { h };
+        assert_eq!(added(&mut t, h), model.insert(key_of(h)));
+        if round % 5_000 == 0 {
+            t.check_invariants();
+        }
+    }
+    t.check_invariants();
+    assert_eq!(t.len(), model.len());
+    for i in 0..60_000u64 {
+        let h = xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
+        assert_eq!(t.get(h).is_some(), model.contains(&key_of(h)), "{i}");
+    }
+    let open = t.memory_bytes();
+    t.pack();
+    t.check_invariants();
+    assert!(t.memory_bytes() <= open);
+    for &h in &model {
+        assert_eq!(t.get(h), Some(1));
+    }
+    assert_eq!(t.get(0), Some(1));
+    // Packed, the table is 85% full, and the filter adds 6 bits a slot.
+    let per = t.memory_bytes() as f64 / t.len() as f64;
+    assert!((19.5..21.5).contains(&per), "{per} bytes a hash");
+    let built = FpTable::from_entries(
+        model
+            .iter()
+            .map(|&h| (h, 3))
+            .chain([(5 << 24, 2), (5 << 24, 4), (0, 1)]),
+        80,
+    );
+    built.check_invariants();
+    assert_eq!(built.len(), model.len() + 1);
+    assert!(model.iter().all(|&h| built.get(h).is_some()));
+    // Of two entries with one key, the higher tag is kept.
+    assert_eq!(built.get(5 << 24), Some(4));
+    assert_eq!(built.get(0), Some(3));
+    assert!(built.get(6 << 24).is_none());
+}
+
+#[test]
+fn table_stays_within_its_memory_bound_while_growing() {
+    let mut t = FpTable::default();
+    for i in 0..300_000u64 {
+        added(&mut t, xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes()));
+        if i > 10_000 && i % 1_000 == 0 {
+            let per = t.memory_bytes() as f64 / t.len() as f64;
+            assert!(per <= 24.0, "{per} bytes a hash at {i}");
+        }
+    }
+    t.check_invariants();
+}
+
+#[test]
+fn table_survives_skewed_hashes() {
+    // Not uniform at all: every home is 0, or the top bits are equal,
+    // or the values sit at the extremes. Slow, but correct.
+    let mut t = FpTable::default();
+    let mut all = Vec::new();
+    for i in 1..2_000u128 {
+        all.push(i << 24);
+        all.push((7u128 << 64) | (i << 24));
+        all.push(u128::MAX - (i << 24));
+    }
+    for &h in all.iter().rev() {
+        assert!(added(&mut t, h));
+    }
+    t.check_invariants();
+    for &h in &all {
+        assert!(!added(&mut t, h));
+        assert!(t.get(h).is_some());
+    }
+    assert!(t.get(2_000 << 24).is_none() && t.get(u128::MAX).is_none() && t.get(0).is_none());
+    t.pack();
+    t.check_invariants();
+    assert!(all.iter().all(|&h| t.get(h).is_some()));
+    let mut reserved = FpTable::default();
+    reserved.reserve(1_000);
+    let homes = reserved.homes;
+    for i in 0..1_000u64 {
+        added(&mut reserved, xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes()));
+    }
+    assert_eq!(reserved.homes, homes, "grew despite the reservation");
+}
+
+#[test]
+fn tags_are_kept_and_dead_entries_are_replaced_or_purged() {
+    let mut t = FpTable::default();
+    let hashes: Vec<u128> = (0..20_000u64)
+        .map(|i| xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes()))
+        .collect();
+    for (i, &h) in hashes.iter().enumerate() {
+        assert_eq!(t.insert(h, (i % 10) as u32, never), Insert::Added);
+    }
+    // The tag bits of the hash do not matter: the key is the rest.
+    assert_eq!(t.get(hashes[3] ^ 0xff_ffff), Some(3));
+    assert_eq!(t.insert(hashes[3], 9, never), Insert::Present(3));
+    // A dead entry gives way to the new one.
+    assert_eq!(t.insert(hashes[3], 9, |tag| tag < 5), Insert::Added);
+    assert_eq!(t.get(hashes[3]), Some(9));
+    t.check_invariants();
+    let before = t.memory_bytes();
+    let dropped = t.purge(|tag| tag < 8);
+    t.check_invariants();
+    assert_eq!(dropped, 20_000 / 10 * 8 - 1);
+    assert_eq!(t.len(), 20_000 - dropped);
+    for (i, &h) in hashes.iter().enumerate() {
+        let want = match i {
+            3 => Some(9),
+            _ if i % 10 >= 8 => Some((i % 10) as u32),
+            _ => None,
+        };
+        assert_eq!(t.get(h), want, "{i}");
+    }
+    // Four fifths gone: the table was laid out again, smaller.
+    assert!(
+        t.memory_bytes() * 3 < before,
+        "{} of {before}",
+        t.memory_bytes()
+    );
+    let mut keys = Vec::new();
+    t.for_each(|k, _| keys.push(k));
+    assert!(keys.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(keys.len(), t.len());
+    let left = t.len();
+    assert_eq!(t.purge(|_| true), left);
+    assert!(t.is_empty());
+}

@@ -1,0 +1,173 @@
+use super::*;
+
+fn hash(i: u64) -> Fingerprint {
+    Fingerprint::content(None, Some(&i.to_le_bytes()))
+}
+
+fn found(lane: &LaneIndex, offset: Option<u64>, fp: Option<Fingerprint>) -> Option<(Reason, u64)> {
+    match lane.lookup(offset, fp) {
+        Lookup::Found(r, e) => Some((r, e)),
+        Lookup::Fresh => None,
+        Lookup::Disk { .. } => panic!("nothing is on disk here"),
+    }
+}
+
+#[test]
+fn sealed_epoch_keeps_its_members() {
+    let mut lane = LaneIndex::new(0, 0, 0);
+    for i in 0..1000u64 {
+        lane.insert(0, Some(i), Some(hash(i)));
+        lane.insert(0, None, Some(Fingerprint::id(i * 3)));
+    }
+    lane.close(1);
+    for i in 0..1000u64 {
+        assert_eq!(found(&lane, Some(i), None), Some((Reason::SamePosition, 0)));
+        assert_eq!(
+            found(&lane, None, Some(hash(i))),
+            Some((Reason::SameContent, 0))
+        );
+        assert_eq!(
+            found(&lane, None, Some(Fingerprint::id(i * 3))),
+            Some((Reason::SameContent, 0))
+        );
+    }
+    assert_eq!(found(&lane, Some(1000), None), None);
+    assert_eq!(found(&lane, None, Some(Fingerprint::id(1))), None);
+    let e = lane.epochs().next().map(EpochIndex::fingerprints);
+    assert_eq!(e, Some(2000));
+    assert_eq!(lane.live_fingerprints(), 2000);
+    assert_eq!(lane.live_offset_count(), 1000);
+}
+
+#[test]
+fn lane_reports_reason_and_epoch() {
+    let mut lane = LaneIndex::new(1, 1, 1);
+    lane.insert(1, Some(10), None);
+    lane.close(2);
+    lane.insert(2, None, Some(Fingerprint::id(99)));
+    assert_eq!(
+        found(&lane, Some(10), None),
+        Some((Reason::SamePosition, 1))
+    );
+    assert_eq!(
+        found(&lane, Some(11), Some(Fingerprint::id(99))),
+        Some((Reason::SameContent, 2))
+    );
+    lane.drop_before(2);
+    assert_eq!(found(&lane, Some(10), None), None);
+}
+
+#[test]
+fn many_epochs_answer_like_one() {
+    // 3,000 sealed epochs of 20 records each, then the newest answers first
+    // and a dropped epoch never answers, whether or not it was purged.
+    let mut lane = LaneIndex::new(0, 0, 0);
+    for e in 0..3_000u64 {
+        for k in 0..20 {
+            let i = e * 20 + k;
+            lane.insert(e, Some(i), Some(hash(i)));
+        }
+        lane.close(e + 1);
+    }
+    for i in (0..60_000u64).step_by(7) {
+        assert_eq!(
+            found(&lane, Some(i), None),
+            Some((Reason::SamePosition, i / 20))
+        );
+        assert_eq!(
+            found(&lane, None, Some(hash(i))),
+            Some((Reason::SameContent, i / 20))
+        );
+    }
+    assert_eq!(found(&lane, Some(60_000), Some(hash(60_000))), None);
+    // Drop a few (below the purge threshold), then most (above it).
+    for keep in [100u64, 2_500] {
+        lane.drop_before(keep);
+        for i in (0..60_000u64).step_by(13) {
+            let want = (i / 20 >= keep).then_some((Reason::SameContent, i / 20));
+            assert_eq!(found(&lane, None, Some(hash(i))), want, "{i} after {keep}");
+            let want = (i / 20 >= keep).then_some((Reason::SamePosition, i / 20));
+            assert_eq!(found(&lane, Some(i), None), want, "{i} after {keep}");
+        }
+        assert_eq!(lane.live_fingerprints(), (3_000 - keep) * 20);
+    }
+    // A hash of a dropped epoch can be recorded again.
+    assert_eq!(found(&lane, None, Some(hash(5))), None);
+    lane.insert(3_000, Some(5), Some(hash(5)));
+    assert_eq!(
+        found(&lane, None, Some(hash(5))),
+        Some((Reason::SameContent, 3_000))
+    );
+    assert_eq!(
+        found(&lane, Some(5), None),
+        Some((Reason::SamePosition, 3_000))
+    );
+}
+
+#[test]
+fn newer_content_beats_older_position() {
+    let mut lane = LaneIndex::new(0, 0, 0);
+    lane.insert(0, Some(5), Some(hash(5)));
+    lane.close(1);
+    lane.insert(1, Some(6), Some(hash(6)));
+    assert_eq!(
+        found(&lane, Some(5), Some(hash(6))),
+        Some((Reason::SameContent, 1))
+    );
+    assert_eq!(
+        found(&lane, Some(6), Some(hash(6))),
+        Some((Reason::SamePosition, 1))
+    );
+    assert_eq!(
+        found(&lane, Some(5), Some(hash(7))),
+        Some((Reason::SamePosition, 0))
+    );
+    assert_eq!(resolve(None, None), None);
+}
+
+#[test]
+fn epochs_below_the_floor_go_to_the_disk_filter() {
+    let mut lane = LaneIndex::new(0, 0, 0);
+    for i in 0..100u64 {
+        lane.insert(0, Some(i), Some(hash(i)));
+    }
+    lane.close(1);
+    lane.insert(1, Some(100), Some(hash(100)));
+    let mut on_disk = Vec::new();
+    lane.hashes_in(0, 1, |key, e| on_disk.push((key, e)));
+    assert_eq!(on_disk.len(), 100);
+    assert!(on_disk.windows(2).all(|w| w[0].0 < w[1].0));
+    let mut filter = DiskFilter::with_capacity(100);
+    for &(key, _) in &on_disk {
+        filter.insert(key);
+    }
+    lane.disk_mut().filter = Some(filter);
+    lane.lower_to_disk(1);
+    assert_eq!(lane.disk().live, 100);
+    assert_eq!(lane.floor(), 1);
+    // Positions stay in memory; content goes to disk.
+    assert_eq!(found(&lane, Some(3), None), Some((Reason::SamePosition, 0)));
+    let Fingerprint::Hash(h) = hash(3) else {
+        panic!("a hash")
+    };
+    assert_eq!(
+        lane.lookup(None, Some(hash(3))),
+        Lookup::Disk {
+            key: key_of(h),
+            position: None
+        }
+    );
+    // A position in memory newer than anything on disk needs no read.
+    assert_eq!(
+        found(&lane, Some(100), Some(hash(3))),
+        Some((Reason::SamePosition, 1))
+    );
+    assert_eq!(
+        found(&lane, None, Some(hash(100))),
+        Some((Reason::SameContent, 1))
+    );
+    assert!(lane.disk_epoch_is_live(0));
+    lane.drop_before(1);
+    assert!(!lane.disk_epoch_is_live(0));
+    assert_eq!(lane.disk().live, 0);
+}
