@@ -207,7 +207,14 @@ impl PipeRuns<'_> {
                 &group,
                 self.state,
                 self.mode,
-                &[args, self.extra].concat(),
+                // A new group is another job to the state folder: each run
+                // hands the folder over on purpose.
+                &[
+                    args,
+                    self.extra,
+                    if self.fresh_group { &["--rebind"] } else { &[] },
+                ]
+                .concat(),
             )
             .stdout(Stdio::null()),
             self.logs.join(format!("pipe-{run}.log")),

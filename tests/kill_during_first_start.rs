@@ -77,14 +77,19 @@ fn a_folder_left_by_a_kill_while_the_marker_was_written_starts_and_copies_once()
 #[test]
 fn every_folder_left_by_a_kill_during_the_first_start_restarts_and_copies_once() -> TestResult {
     const KILLS: usize = 150;
-    let mut broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    let mut broker = MockBroker::start(&[("in", 1)])?;
     produce_integers(broker.bootstrap(), "in", 1..=20)?;
     let dir = tempfile::tempdir()?;
     let mut rng = rand::rng();
-    let mut shapes: BTreeMap<Option<Vec<String>>, PathBuf> = BTreeMap::new();
+    // Each kind of leftover once, with the job that left it.
+    let mut shapes: BTreeMap<Option<Vec<String>>, (PathBuf, String)> = BTreeMap::new();
     for i in 0..KILLS {
         let state = dir.path().join(format!("s{i}"));
-        let mut child = pipe(broker.bootstrap(), "out", &state, &[])
+        // A job of its own per start, group and output alike, so that the
+        // restart below resumes that job into an output nothing else wrote.
+        let output = format!("out-{i}");
+        broker.create_topic(&output, 1)?;
+        let mut child = pipe(broker.bootstrap(), &output, &state, &[])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -94,16 +99,14 @@ fn every_folder_left_by_a_kill_during_the_first_start_restarts_and_copies_once()
         thread::sleep(Duration::from_millis(rng.random_range(30..90)));
         child.kill()?;
         wait_bounded(&mut child, Duration::from_secs(10))?;
-        shapes.entry(leftovers(&state)?).or_insert(state);
+        shapes.entry(leftovers(&state)?).or_insert((state, output));
     }
     println!("folders left by {KILLS} kills: {:?}", shapes.keys());
-    // Each kind of leftover once, in a group of its own, into an output of
-    // its own: the restart copies the input once.
-    for (k, (shape, state)) in shapes.iter().enumerate() {
-        let output = format!("out-{k}");
-        broker.create_topic(&output, 1)?;
+    // Each kind of leftover restarts its own job: the restart copies the
+    // input once.
+    for (shape, (state, output)) in &shapes {
         let out = run_bounded(
-            &mut pipe(broker.bootstrap(), &output, state, &["--stop-at-end"]),
+            &mut pipe(broker.bootstrap(), output, state, &["--stop-at-end"]),
             Duration::from_secs(90),
         )?;
         if !out.status.success() {
@@ -118,7 +121,7 @@ fn every_folder_left_by_a_kill_during_the_first_start_restarts_and_copies_once()
         check_each_once(
             &integers(&read_topic(
                 broker.bootstrap(),
-                &output,
+                output,
                 PyClient::Confluent,
             )?)?,
             1..=20,
