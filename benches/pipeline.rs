@@ -51,13 +51,12 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use replayguard::kafka::Mode;
 use serde::Serialize;
 
 use broker::BrokerKind;
 use report::{BarGroup, CdfPanel, Spread};
 use scenarios::{
-    CopySpec, EngineRecoveryRun, LatencyRun, PopulateRun, RateSpec, RestartRun, RestartSpec,
+    CopySpec, EngineRecoveryRun, LatencyRun, Mode, PopulateRun, RateSpec, RestartRun, RestartSpec,
     RetentionRun, ThroughputRun,
 };
 

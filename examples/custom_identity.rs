@@ -32,7 +32,7 @@ use rdkafka::ClientConfig;
 use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use replayguard::kafka::GuardedConsumer;
+use replayguard::kafka::{GuardOptions, GuardedConsumer};
 use replayguard::{Fingerprint, Identity, IdentityFn};
 use tokio::sync::Barrier;
 
@@ -182,14 +182,17 @@ async fn consume(bootstrap: &str, group: &str, c: &Consumer, barrier: &Barrier) 
         .set("group.id", group)
         .set("session.timeout.ms", "6000")
         .set("auto.offset.reset", "earliest");
-    let mut builder = GuardedConsumer::builder(config, state.path())
-        .topic(TOPIC)
+    let mut options = GuardOptions::default()
         .identity(c.identity.clone())
         .stop_at_end(true);
     if let Some(keep) = c.retention {
-        builder = builder.retention_time(Some(keep));
+        options = options.retention_time(Some(keep));
     }
-    let consumer = builder.build()?;
+    let consumer = GuardedConsumer::builder(config, state.path())
+        .topic(TOPIC)
+        .options(options)
+        .build()
+        .await?;
     let mut handled = BTreeMap::new();
     let record_payments = async |handled: &mut BTreeMap<u64, u32>| -> Result {
         while let Some(r) = consumer.recv().await? {

@@ -24,11 +24,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use rdkafka::ClientConfig;
-use rdkafka::consumer::Consumer;
 use rdkafka::message::Message;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use replayguard::kafka::{GuardedConsumer, GuardedRecord};
+use replayguard::kafka::{GuardOptions, GuardedConsumer, GuardedRecord};
 
 type Result<T = (), E = Box<dyn Error + Send + Sync>> = std::result::Result<T, E>;
 
@@ -75,16 +74,20 @@ async fn run() -> Result {
     let open = || {
         GuardedConsumer::builder(config.clone(), state.path())
             .topic(TOPIC)
-            .checkpoint_interval(CHECKPOINT)
-            // Resends are caught only while their first copy is remembered.
-            .retention_time(Some(Duration::from_secs(600)))
-            .stop_at_end(true)
+            .options(
+                GuardOptions::default()
+                    .checkpoint_interval(CHECKPOINT)
+                    // Resends are caught only while their first copy is
+                    // remembered.
+                    .retention_time(Some(Duration::from_secs(600)))
+                    .stop_at_end(true),
+            )
             .build()
     };
     let mut charges: BTreeMap<String, u32> = BTreeMap::new();
 
     // First run: killed after CRASH_AFTER charges, between two checkpoints.
-    let consumer = open()?;
+    let consumer = open().await?;
     let mut handled = 0;
     while let Some(record) = consumer.recv().await? {
         charge(&record, &mut charges).await?;
@@ -103,7 +106,7 @@ async fn run() -> Result {
     );
 
     // Restart over the same state folder, reading through the stream API.
-    let consumer = open()?;
+    let consumer = open().await?;
     let mut after = 0;
     {
         let mut records = std::pin::pin!(consumer.stream());
@@ -117,7 +120,7 @@ async fn run() -> Result {
     consumer.checkpoint().await?;
     let second = consumer.stats();
     let guard = second.guard.unwrap_or_default();
-    let assignment = consumer.consumer().assignment()?;
+    let assignment = consumer.assignment()?;
     println!(
         "Run 2 restarted from the last checkpoint, read {} records and charged {after} more.\n\
          The guard filtered {} replays of orders charged before the crash (same offset) and\n\
@@ -125,9 +128,9 @@ async fn run() -> Result {
         second.records_in,
         guard.duplicates_same_position,
         guard.duplicates_same_content,
-        assignment.count()
+        assignment.len()
     );
-    std::thread::spawn(move || drop(consumer));
+    consumer.close(Duration::from_secs(10)).await?;
 
     let twice: Vec<&String> = charges
         .iter()

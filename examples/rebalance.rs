@@ -28,7 +28,7 @@ use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard::kafka::{GuardOptions, GuardedPipeline, OutputRecord};
 
 type Result<T = (), E = Box<dyn Error + Send + Sync>> = std::result::Result<T, E>;
 
@@ -77,7 +77,7 @@ async fn run() -> Result {
 
     let (dir_a, dir_b) = (tempfile::tempdir()?, tempfile::tempdir()?);
     let (spans_a, spans_b) = (Spans::default(), Spans::default());
-    let mut a = pipeline(&bootstrap, dir_a.path())?;
+    let mut a = pipeline(&bootstrap, dir_a.path()).await?;
     let watch_a = a.stats_handle();
     let copy_a = copier(t0, spans_a.clone());
     let b_copying = spans_b.clone();
@@ -118,7 +118,7 @@ async fn run() -> Result {
     drop(watch_a);
     tokio::time::sleep(B_JOINS_AFTER).await;
     let b_joined = t0.elapsed();
-    let mut b = pipeline(&bootstrap, dir_b.path())?;
+    let mut b = pipeline(&bootstrap, dir_b.path()).await?;
     let stats_b = b.stats_handle();
     // B stops once the output holds as many records as were written.
     let written = Arc::new(AtomicU64::new(0));
@@ -224,7 +224,10 @@ async fn run() -> Result {
     Ok(())
 }
 
-fn pipeline(bootstrap: &str, state: &std::path::Path) -> replayguard::Result<GuardedPipeline> {
+async fn pipeline(
+    bootstrap: &str,
+    state: &std::path::Path,
+) -> replayguard::Result<GuardedPipeline> {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", bootstrap)
@@ -234,8 +237,9 @@ fn pipeline(bootstrap: &str, state: &std::path::Path) -> replayguard::Result<Gua
     GuardedPipeline::builder(config, state)
         .input(INPUT)
         .output(OUTPUT)
-        .checkpoint_interval(CHECKPOINT)
+        .options(GuardOptions::default().checkpoint_interval(CHECKPOINT))
         .build()
+        .await
 }
 
 type Copied = std::pin::Pin<

@@ -22,7 +22,7 @@ pub enum Error {
 
     /// Another process (or another guard in this one) holds the state folder.
     #[error(
-        "state folder {path} is in use by another replayguard instance; stop it, or give this one its own --state folder"
+        "state folder {path} is in use by another replayguard instance; stop it, or give this one a state folder of its own"
     )]
     InUse {
         /// The state folder.
@@ -31,7 +31,7 @@ pub enum Error {
 
     /// The folder is not empty and was not written by replayguard.
     #[error(
-        "{path} is not a replayguard state folder (it is not empty and has no REPLAYGUARD marker); refusing to touch it: point --state at an empty or new folder"
+        "{path} is not a replayguard state folder (it is not empty and has no REPLAYGUARD marker); refusing to touch it: use an empty or new folder"
     )]
     ForeignState {
         /// The folder.
@@ -108,6 +108,7 @@ pub enum Error {
     #[error("unknown lane {0}: it was released or belongs to another guard")]
     UnknownLane(u32),
 
+    #[cfg(feature = "kafka")]
     /// A Kafka client call failed.
     #[error("kafka {operation} failed: {source}")]
     Kafka {
@@ -116,6 +117,21 @@ pub enum Error {
         /// The client error.
         #[source]
         source: rdkafka::error::KafkaError,
+    },
+
+    #[cfg(feature = "kafka")]
+    /// An output was not delivered: not acked within the delivery timeout,
+    /// refused by the broker, or purged. Its input is not recorded as
+    /// handled, so a restart writes it again.
+    #[error(
+        "the output of {input} was not delivered: {source}; its input is not recorded as handled, so a restart writes it again"
+    )]
+    Delivery {
+        /// The input, `topic[partition]@offset`.
+        input: String,
+        /// The producer's error.
+        #[source]
+        source: Box<rdkafka::error::KafkaError>,
     },
 
     /// A Kafka topic does not exist.
@@ -127,6 +143,7 @@ pub enum Error {
         brokers: String,
     },
 
+    #[cfg(feature = "kafka")]
     /// The brokers answered, but the connection cannot work: the
     /// credentials or the TLS settings are refused. Retrying would not help.
     #[error("connecting to {brokers} failed: {reason}; {hint}")]
@@ -144,7 +161,7 @@ pub enum Error {
 
     /// No broker answered within the retry budget.
     #[error(
-        "no broker reachable at {brokers} after {attempts} attempts ({last}); check --brokers and that the broker is up"
+        "no broker reachable at {brokers} after {attempts} attempts ({last}); check bootstrap.servers and that the broker is up"
     )]
     Unreachable {
         /// The bootstrap servers tried.
@@ -155,6 +172,7 @@ pub enum Error {
         last: String,
     },
 
+    #[cfg(feature = "kafka")]
     /// The consumer met an error that does not heal by itself: a record
     /// this build cannot decode, a missing permission, a topic that is gone.
     #[error("reading {location} failed: {source}; {hint}")]
@@ -229,9 +247,35 @@ pub enum Error {
     },
 
     /// A pipeline or consumer stopped at run time: an output not delivered
-    /// or not acked in time, an injected fault, a failed recovery.
-    #[error("{0}")]
-    Stopped(String),
+    /// or not acked in time, an injected fault. When an earlier failure
+    /// stopped it, later calls get this, naming it; the first call got the
+    /// failure itself.
+    #[error("{reason}")]
+    Stopped {
+        /// What stopped it.
+        reason: String,
+    },
+
+    /// A value could not be encoded for storage or for commit metadata.
+    #[error("encoding {what} failed: {source}")]
+    Encode {
+        /// What was being encoded.
+        what: &'static str,
+        /// The encoder's error.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// The state folder path is unusable before anything is opened: a file
+    /// where a folder should be, or a missing parent folder (most likely a
+    /// typo, which would otherwise start from empty state).
+    #[error("{path}: {what}")]
+    StateFolder {
+        /// The path given.
+        path: PathBuf,
+        /// What is wrong with it, and what to do.
+        what: String,
+    },
 
     /// An I/O error outside the store.
     #[error("I/O failed: {0}")]
@@ -240,7 +284,7 @@ pub enum Error {
 
 /// An error from the embedded storage engine, with a readable `Display`.
 #[derive(Debug)]
-pub struct StoreError(pub fjall::Error);
+pub struct StoreError(pub(crate) fjall::Error);
 
 impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

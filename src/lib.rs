@@ -58,7 +58,7 @@
 //! use std::time::Duration;
 //!
 //! use rdkafka::ClientConfig;
-//! use replayguard::kafka::{GuardedPipeline, OutputRecord};
+//! use replayguard::kafka::{GuardOptions, GuardedPipeline, OutputRecord};
 //!
 //! async fn copy_orders() -> replayguard::Result<()> {
 //!     let mut config = ClientConfig::new();
@@ -69,13 +69,14 @@
 //!     let mut pipeline = GuardedPipeline::builder(config, "/var/lib/order-copier")
 //!         .input("orders")
 //!         .output("orders-copy")
-//!         .checkpoint_interval(Duration::from_secs(1))
-//!         .build()?;
+//!         .options(GuardOptions::default().checkpoint_interval(Duration::from_secs(1)))
+//!         .build()
+//!         .await?;
 //!     // Any async function from an input record to its output records.
 //!     pipeline
 //!         .run(|m| async move { Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)]) })
 //!         .await?;
-//!     Ok(())
+//!     pipeline.close(Duration::from_secs(10)).await
 //! }
 //! # let _ = copy_orders;
 //! ```
@@ -90,28 +91,42 @@
 //!   the top 104 bits of a 128-bit hash (the rest holds an epoch tag): at
 //!   1M records/s over a window of 1e9 identities, a false duplicate
 //!   about 4.3e-12 times a day.
-//! - [`store`]: fjall-backed chunks and the manifest, with the format
-//!   version, and the on-disk index of sealed epochs' hashes.
+//! - `store`: fjall-backed chunks and the manifest, with the format
+//!   version, and the on-disk index of sealed epochs' hashes. Private; its
+//!   types that callers see ([`Manifest`], [`Durability`], [`LanePosition`])
+//!   are re-exported here.
+//! - [`job`]: the job a state folder serves, and the changes it accepts.
+//! - `folder`: the checks on a state folder before anything opens it
+//!   ([`check_state_folder`]).
+//! - [`OffsetSet`]: the offsets of a lane that are handled, as ranges.
 //! - `guard`: the engine ([`Guard`]): check, record, checkpoint, recover,
 //!   one record at a time or a batch at a time ([`Guard::check_many`],
 //!   [`Guard::record_many`]), within an optional memory budget
 //!   ([`GuardBuilder::max_memory_bytes`]). It has no Kafka types.
-//! - [`kafka`]: the rdkafka adapters.
+//! - [`kafka`] (feature `kafka`, on by default): the rdkafka adapters, with
+//!   [`kafka::GuardOptions`] shared by both. The `baselines` feature adds
+//!   the at-least-once and transactional modes they are measured against;
+//!   the `cli` feature (default) builds the `replayguard` command line.
 
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 #![warn(missing_docs)]
 
 mod error;
 pub mod fingerprint;
+mod folder;
 mod guard;
 mod index;
 pub mod job;
+#[cfg(feature = "kafka")]
 pub mod kafka;
-pub mod store;
+mod offsets;
+mod store;
 
 pub use error::{Error, Result, StoreError};
 pub use fingerprint::{Fingerprint, Identity, IdentityFn};
+pub use folder::{FolderUse, check_state_folder};
 pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Probe, Stats, Verdict};
 pub use index::Reason;
 pub use job::{Binding, Job, JobKind};
-pub use store::{Durability, LaneName, Manifest};
+pub use offsets::OffsetSet;
+pub use store::{Durability, EpochInfo, FORMAT_VERSION, LaneName, LanePosition, Manifest};

@@ -108,18 +108,6 @@ pub struct Chunk {
 }
 
 impl Chunk {
-    /// True when the chunk holds nothing.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.hashes.is_empty() && self.offsets.is_empty() && self.ids.is_empty()
-    }
-
-    /// Number of entries (hashes, offsets and ids).
-    #[must_use]
-    pub fn len(&self) -> u64 {
-        self.hashes.len() as u64 + self.offsets.len() + self.ids.len()
-    }
-
     /// Encodes the chunk: version, hashes, two roaring bitmaps, checksum.
     pub fn encode(&self) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(

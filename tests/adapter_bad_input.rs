@@ -3,18 +3,19 @@
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
-use replayguard::kafka::{GuardedConsumer, GuardedPipeline};
+use replayguard::kafka::{GuardOptions, GuardedConsumer, GuardedPipeline};
 use replayguard::{Error, Guard};
 use replayguard_testkit::{InProcessBroker as Broker, TestResult};
 
-#[test]
-fn unknown_topic_is_named() -> TestResult {
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_topic_is_named() -> TestResult {
     let broker = Broker::start(&[("in", 1), ("out", 1)])?;
     let dir = tempfile::tempdir()?;
     let r = GuardedPipeline::builder(broker.consumer_config("g"), dir.path())
         .input("nope")
         .output("out")
-        .build();
+        .build()
+        .await;
     match r {
         Err(e @ Error::UnknownTopic { .. }) => assert!(e.to_string().contains("\"nope\""), "{e}"),
         Err(e) => return Err(format!("expected UnknownTopic, got {e}").into()),
@@ -22,7 +23,8 @@ fn unknown_topic_is_named() -> TestResult {
     }
     let r = GuardedConsumer::builder(broker.consumer_config("g"), dir.path())
         .topic("nope")
-        .build();
+        .build()
+        .await;
     assert!(
         matches!(r, Err(Error::UnknownTopic { .. })),
         "consumer accepted an unknown topic"
@@ -30,8 +32,8 @@ fn unknown_topic_is_named() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn unreachable_broker_fails_after_bounded_retries() -> TestResult {
+#[tokio::test(flavor = "multi_thread")]
+async fn unreachable_broker_fails_after_bounded_retries() -> TestResult {
     // Bind then drop a listener: the port is closed.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -44,8 +46,9 @@ fn unreachable_broker_fails_after_bounded_retries() -> TestResult {
     let r = GuardedPipeline::builder(cfg, dir.path())
         .input("in")
         .output("out")
-        .connect_attempts(2)
-        .build();
+        .options(GuardOptions::default().connect_attempts(2))
+        .build()
+        .await;
     match r {
         Err(e @ Error::Unreachable { attempts: 2, .. }) => {
             assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
@@ -61,15 +64,16 @@ fn unreachable_broker_fails_after_bounded_retries() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn state_folder_in_use_is_refused() -> TestResult {
+#[tokio::test(flavor = "multi_thread")]
+async fn state_folder_in_use_is_refused() -> TestResult {
     let broker = Broker::start(&[("in", 1), ("out", 1)])?;
     let dir = tempfile::tempdir()?;
     let holder = Guard::builder(dir.path()).open()?;
     let r = GuardedPipeline::builder(broker.consumer_config("g"), dir.path())
         .input("in")
         .output("out")
-        .build();
+        .build()
+        .await;
     assert!(
         matches!(r, Err(Error::InUse { .. })),
         "a second user of the state folder was accepted"
@@ -78,8 +82,8 @@ fn state_folder_in_use_is_refused() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn producer_without_idempotence_or_full_acks_is_refused() -> TestResult {
+#[tokio::test(flavor = "multi_thread")]
+async fn producer_without_idempotence_or_full_acks_is_refused() -> TestResult {
     let broker = Broker::start(&[("in", 1), ("out", 1)])?;
     for (key, value, word) in [
         ("enable.idempotence", "false", "idempotence"),
@@ -94,7 +98,8 @@ fn producer_without_idempotence_or_full_acks_is_refused() -> TestResult {
             .input("in")
             .output("out")
             .producer_config(producer)
-            .build();
+            .build()
+            .await;
         match r {
             Err(e @ Error::Config(_)) => assert!(e.to_string().contains(word), "{e}"),
             Err(e) => return Err(format!("expected Config, got {e}").into()),
@@ -104,8 +109,8 @@ fn producer_without_idempotence_or_full_acks_is_refused() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn missing_group_or_topics_is_refused() -> TestResult {
+#[tokio::test(flavor = "multi_thread")]
+async fn missing_group_or_topics_is_refused() -> TestResult {
     let broker = Broker::start(&[("in", 1), ("out", 1)])?;
     let dir = tempfile::tempdir()?;
     let mut cfg = ClientConfig::new();
@@ -113,14 +118,16 @@ fn missing_group_or_topics_is_refused() -> TestResult {
     let r = GuardedPipeline::builder(cfg, dir.path())
         .input("in")
         .output("out")
-        .build();
+        .build()
+        .await;
     assert!(
         matches!(&r, Err(Error::Config(m)) if m.contains("group.id")),
         "no group.id accepted"
     );
     let r = GuardedPipeline::builder(broker.consumer_config("g"), dir.path())
         .output("out")
-        .build();
+        .build()
+        .await;
     assert!(
         matches!(&r, Err(Error::Config(m)) if m.contains("input")),
         "no input accepted"

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use replayguard::kafka::GuardedConsumer;
+use replayguard::kafka::{GuardOptions, GuardedConsumer};
 use replayguard_testkit::{InProcessBroker as Broker, TestResult};
 
 fn value(r: &replayguard::kafka::GuardedRecord) -> TestResult<u64> {
@@ -13,17 +13,21 @@ fn value(r: &replayguard::kafka::GuardedRecord) -> TestResult<u64> {
     Ok(std::str::from_utf8(r.message().payload().unwrap_or_default())?.parse()?)
 }
 
-fn consumer(
+async fn consumer(
     broker: &Broker,
     state: &Path,
     retention_epochs: u32,
 ) -> replayguard::Result<GuardedConsumer> {
     GuardedConsumer::builder(broker.consumer_config("readers"), state)
         .topic("events")
-        .retention_epochs(retention_epochs)
-        .checkpoint_interval(Duration::from_secs(3600))
-        .stop_at_end(true)
+        .options(
+            GuardOptions::default()
+                .retention_epochs(retention_epochs)
+                .checkpoint_interval(Duration::from_secs(3600))
+                .stop_at_end(true),
+        )
         .build()
+        .await
 }
 
 /// Reads to the end (or `limit` records), acking each.
@@ -44,13 +48,13 @@ async fn acked_records_are_not_delivered_again_after_a_crash() -> TestResult {
         .produce("events", &(1..=50).collect::<Vec<_>>(), 1)
         .await?;
     let dir = tempfile::tempdir()?;
-    let c = consumer(&broker, dir.path(), 0)?;
+    let c = consumer(&broker, dir.path(), 0).await?;
     // 20 acked, one delivered but never acked, then a crash with no checkpoint.
     let first = read(&c, 20).await?;
     let unacked = c.recv().await?.ok_or("expected a 21st record")?;
     assert_eq!(value(&unacked)?, 21);
     c.abort();
-    let c = consumer(&broker, dir.path(), 0)?;
+    let c = consumer(&broker, dir.path(), 0).await?;
     let rest = read(&c, usize::MAX).await?;
     assert_eq!(first, (1..=20).collect::<Vec<_>>());
     assert_eq!(
@@ -76,7 +80,7 @@ async fn upstream_resends_are_filtered_within_the_retention() -> TestResult {
     ]);
     broker.produce("events", &input, 1).await?;
     let dir = tempfile::tempdir()?;
-    let c = consumer(&broker, dir.path(), 0)?;
+    let c = consumer(&broker, dir.path(), 0).await?;
     let got = read(&c, usize::MAX).await?;
     let mut expected: Vec<u64> = (1..=40).collect();
     expected.extend([41, 46, 42, 43, 44, 45]);
@@ -94,7 +98,7 @@ async fn resends_pass_once_their_epoch_left_the_retention() -> TestResult {
             .produce("events", &(1..=10).collect::<Vec<_>>(), 1)
             .await?;
         let dir = tempfile::tempdir()?;
-        let c = consumer(&broker, dir.path(), retention)?;
+        let c = consumer(&broker, dir.path(), retention).await?;
         assert_eq!(read(&c, usize::MAX).await?, (1..=10).collect::<Vec<_>>());
         // Two checkpoints: the epoch holding 1..=10 is now two epochs old.
         c.checkpoint().await?;
@@ -131,9 +135,13 @@ async fn custom_identity_filters_by_business_id() -> TestResult {
     });
     let c = GuardedConsumer::builder(broker.consumer_config("readers"), dir.path())
         .topic("events")
-        .identity(Identity::Custom(id))
-        .stop_at_end(true)
-        .build()?;
+        .options(
+            GuardOptions::default()
+                .identity(Identity::Custom(id))
+                .stop_at_end(true),
+        )
+        .build()
+        .await?;
     assert_eq!(read(&c, usize::MAX).await?, vec![5, 6, 7]);
     let stats = c.stats().guard.ok_or("guarded consumer has engine stats")?;
     assert_eq!(stats.duplicates_same_content, 2);
@@ -146,7 +154,7 @@ async fn a_resend_of_an_unacked_record_is_not_delivered_alongside_it() -> TestRe
     let broker = Broker::start(&[("events", 1)])?;
     broker.produce("events", &[7, 7, 8], 1).await?;
     let dir = tempfile::tempdir()?;
-    let c = consumer(&broker, dir.path(), 0)?;
+    let c = consumer(&broker, dir.path(), 0).await?;
     let first = c.recv().await?.ok_or("expected 7")?;
     // 7 is not acked yet; its resend must not come out next.
     let second = c.recv().await?.ok_or("expected 8")?;

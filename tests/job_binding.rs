@@ -153,13 +153,10 @@ fn another_jobs_folder_is_refused_and_the_ways_out_work() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn the_library_refuses_another_jobs_folder_with_a_typed_error() -> TestResult {
+#[tokio::test(flavor = "multi_thread")]
+async fn the_library_refuses_another_jobs_folder_with_a_typed_error() -> TestResult {
     let broker = KafkaBroker::start(&[("in", 1), ("out", 1), ("other", 1)])?;
     let state = tempfile::tempdir()?;
-    // The adapters' consumers live on a tokio runtime.
-    let runtime = tokio::runtime::Runtime::new()?;
-    let _entered = runtime.enter();
     let config = |group: &str| {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", broker.bootstrap())
@@ -169,22 +166,26 @@ fn the_library_refuses_another_jobs_folder_with_a_typed_error() -> TestResult {
     let p = GuardedPipeline::builder(config("a"), state.path())
         .input("in")
         .output("out")
-        .build()?;
-    replayguard_testkit::drop_bounded(p, "the pipeline", Duration::from_secs(30))?;
+        .build()
+        .await?;
+    p.close(Duration::from_secs(30)).await?;
     for r in [
         GuardedPipeline::builder(config("b"), state.path())
             .input("in")
             .output("out")
             .build()
+            .await
             .map(drop),
         GuardedPipeline::builder(config("a"), state.path())
             .input("in")
             .output("other")
             .build()
+            .await
             .map(drop),
         GuardedConsumer::builder(config("a"), state.path())
             .topic("in")
             .build()
+            .await
             .map(drop),
     ] {
         match r {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
-use replayguard::kafka::{GuardedPipeline, Mode, OutputRecord};
+use replayguard::kafka::baseline::Baseline;
+use replayguard::kafka::{GuardOptions, GuardedPipeline, OutputRecord};
 use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missing};
 
 /// Runs one pipeline incarnation. With `crash_after`, drops it with no
@@ -19,18 +20,23 @@ use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missin
 async fn run_once(
     broker: &Broker,
     state: &Path,
-    mode: Mode,
+    baseline: Option<Baseline>,
     reconcile: bool,
     crash_after: Option<u64>,
 ) -> TestResult<u64> {
-    let mut p = GuardedPipeline::builder(broker.consumer_config("copy"), state)
+    let mut builder = GuardedPipeline::builder(broker.consumer_config("copy"), state)
         .input("in")
         .output("out")
-        .mode(mode)
         .reconcile_output(reconcile)
-        .checkpoint_interval(Duration::from_millis(150))
-        .stop_at_end(crash_after.is_none())
-        .build()?;
+        .options(
+            GuardOptions::default()
+                .checkpoint_interval(Duration::from_millis(150))
+                .stop_at_end(crash_after.is_none()),
+        );
+    if let Some(b) = baseline {
+        builder = builder.baseline(b);
+    }
+    let mut p = builder.build().await?;
     let seen = Arc::new(AtomicU64::new(0));
     let counter = seen.clone();
     let f = move |m: rdkafka::message::OwnedMessage| {
@@ -69,7 +75,7 @@ async fn run_once(
     Ok(n)
 }
 
-async fn crash_and_restart(mode: Mode, reconcile: bool) -> TestResult<Vec<u64>> {
+async fn crash_and_restart(mode: Option<Baseline>, reconcile: bool) -> TestResult<Vec<u64>> {
     let broker = Broker::start(&[("in", 1), ("out", 1)])?;
     let input: Vec<u64> = (1..=2000).collect();
     broker.produce("in", &input, 1).await?;
@@ -87,7 +93,7 @@ async fn guarded_pipeline_writes_each_input_once_across_crashes() -> TestResult 
         .with_env_filter("replayguard=debug")
         .with_test_writer()
         .try_init();
-    let out = crash_and_restart(Mode::Guarded, true).await?;
+    let out = crash_and_restart(None, true).await?;
     let (dups, missing) = dups_and_missing(&out, 1..=2000);
     assert!(dups.is_empty(), "duplicates in the output: {dups:?}");
     assert!(
@@ -104,7 +110,7 @@ async fn guarded_pipeline_writes_each_input_once_across_crashes() -> TestResult 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_least_once_baseline_duplicates_after_crashes() -> TestResult {
-    let out = crash_and_restart(Mode::AtLeastOnce, false).await?;
+    let out = crash_and_restart(Some(Baseline::AtLeastOnce), false).await?;
     let (dups, missing) = dups_and_missing(&out, 1..=2000);
     assert!(
         missing.is_empty(),
@@ -129,7 +135,14 @@ async fn transactional_baseline_copies_each_input_once() -> TestResult {
         .produce("in", &(1..=500).collect::<Vec<_>>(), 1)
         .await?;
     let dir = tempfile::tempdir()?;
-    run_once(&broker, dir.path(), Mode::Transactional, false, None).await?;
+    run_once(
+        &broker,
+        dir.path(),
+        Some(Baseline::Transactional),
+        false,
+        None,
+    )
+    .await?;
     assert_eq!(broker.values("out", 1)?, (1..=500).collect::<Vec<_>>());
     Ok(())
 }
@@ -150,8 +163,9 @@ async fn identities_read_back_survive_checkpoints_before_any_position() -> TestR
     let mut first = GuardedPipeline::builder(broker.consumer_config("copy"), dir.path())
         .input("in")
         .output("out")
-        .checkpoint_interval(Duration::from_secs(3600))
-        .build()?;
+        .options(GuardOptions::default().checkpoint_interval(Duration::from_secs(3600)))
+        .build()
+        .await?;
     let all_out = async {
         while broker.read_all("out", 1).map(|v| v.len()).unwrap_or(0) < 200 {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -165,9 +179,13 @@ async fn identities_read_back_survive_checkpoints_before_any_position() -> TestR
     let mut second = GuardedPipeline::builder(broker.consumer_config("copy"), dir.path())
         .input("in")
         .output("out")
-        .checkpoint_interval(Duration::from_millis(10))
-        .stop_at_end(true)
-        .build()?;
+        .options(
+            GuardOptions::default()
+                .checkpoint_interval(Duration::from_millis(10))
+                .stop_at_end(true),
+        )
+        .build()
+        .await?;
     let stats = second.run(copy).await?;
     tokio::task::spawn_blocking(move || drop(second)).await?;
     assert_eq!(broker.values("out", 1)?, (1..=200).collect::<Vec<_>>());
@@ -192,10 +210,14 @@ async fn adjacent_upstream_duplicates_are_filtered_while_in_flight() -> TestResu
     let mut p = GuardedPipeline::builder(broker.consumer_config("copy"), dir.path())
         .input("in")
         .output("out")
-        .retention_epochs(1000)
-        .checkpoint_interval(Duration::from_millis(150))
-        .stop_at_end(true)
-        .build()?;
+        .options(
+            GuardOptions::default()
+                .retention_epochs(1000)
+                .checkpoint_interval(Duration::from_millis(150))
+                .stop_at_end(true),
+        )
+        .build()
+        .await?;
     let stats = p
         .run(|m| async move { Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)]) })
         .await?;

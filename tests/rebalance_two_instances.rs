@@ -8,17 +8,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard::kafka::{GuardOptions, GuardedPipeline, OutputRecord};
 use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missing};
 
 const N: u64 = 3000;
 
-fn pipeline(broker: &Broker, state: PathBuf) -> replayguard::Result<GuardedPipeline> {
+async fn pipeline(broker: &Broker, state: PathBuf) -> replayguard::Result<GuardedPipeline> {
     GuardedPipeline::builder(broker.consumer_config("movers"), state)
         .input("in")
         .output("out")
-        .checkpoint_interval(Duration::from_millis(200))
+        .options(GuardOptions::default().checkpoint_interval(Duration::from_millis(200)))
         .build()
+        .await
 }
 
 type Copied = std::pin::Pin<Box<dyn Future<Output = Result<Vec<OutputRecord>, Infallible>> + Send>>;
@@ -57,7 +58,7 @@ async fn partitions_moving_between_instances_keep_output_exactly_once() -> TestR
     let (dir_a, dir_b) = (tempfile::tempdir()?, tempfile::tempdir()?);
 
     let seen_a = Arc::new(AtomicU64::new(0));
-    let mut a = pipeline(&broker, dir_a.path().to_owned())?;
+    let mut a = pipeline(&broker, dir_a.path().to_owned()).await?;
     let watch = seen_a.clone();
     let task_a = tokio::spawn(async move {
         // A runs until it has processed 1500 inputs, then crashes.
@@ -76,7 +77,7 @@ async fn partitions_moving_between_instances_keep_output_exactly_once() -> TestR
     // B joins while A is mid-stream, so partitions move to it.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let seen_b = Arc::new(AtomicU64::new(0));
-    let mut b = pipeline(&broker, dir_b.path().to_owned())?;
+    let mut b = pipeline(&broker, dir_b.path().to_owned()).await?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task_b = tokio::spawn(async move {
         let r = b

@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::path::Path;
 use std::time::Duration;
 
-use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard::kafka::{GuardOptions, GuardedPipeline, OutputRecord};
 use replayguard_testkit::{InProcessBroker as Broker, TestResult, dups_and_missing};
 
 async fn run(
@@ -19,9 +19,13 @@ async fn run(
         .input("in")
         .output("out")
         .reconcile_output(reconcile)
-        .checkpoint_interval(Duration::from_millis(200))
-        .stop_at_end(true)
-        .build()?;
+        .options(
+            GuardOptions::default()
+                .checkpoint_interval(Duration::from_millis(200))
+                .stop_at_end(true),
+        )
+        .build()
+        .await?;
     let r = p
         .run(|m| async move { Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)]) })
         .await

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use replayguard::kafka::{GuardedPipeline, OutputRecord};
+use replayguard::kafka::{GuardOptions, GuardedPipeline, OutputRecord};
 use replayguard_testkit::{InProcessBroker as Broker, TestResult};
 
 /// Three outputs per input: "v-a", "v-b", "v-c".
@@ -14,9 +14,13 @@ async fn run(broker: &Broker, state: &Path) -> TestResult<replayguard::Result<()
     let mut p = GuardedPipeline::builder(broker.consumer_config("fan"), state)
         .input("in")
         .output("out")
-        .checkpoint_interval(Duration::from_millis(200))
-        .stop_at_end(true)
-        .build()?;
+        .options(
+            GuardOptions::default()
+                .checkpoint_interval(Duration::from_millis(200))
+                .stop_at_end(true),
+        )
+        .build()
+        .await?;
     let r = p
         .run(|m| async move {
             use rdkafka::Message;

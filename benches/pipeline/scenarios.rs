@@ -12,7 +12,28 @@ use std::time::{Duration, Instant};
 use rdkafka::ClientConfig;
 use rdkafka::message::Message;
 use rdkafka::message::OwnedMessage;
-use replayguard::kafka::{GuardedPipeline, Mode, OutputRecord, StatsHandle};
+use replayguard::kafka::baseline::Baseline;
+use replayguard::kafka::{
+    GuardOptions, GuardedPipeline, GuardedPipelineBuilder, OutputRecord, StatsHandle,
+};
+
+/// How a pipeline copies: replayguard, or a baseline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Guarded,
+    AtLeastOnce,
+    Transactional,
+}
+
+impl Mode {
+    fn apply(self, b: GuardedPipelineBuilder) -> GuardedPipelineBuilder {
+        match self {
+            Mode::Guarded => b,
+            Mode::AtLeastOnce => b.baseline(Baseline::AtLeastOnce),
+            Mode::Transactional => b.baseline(Baseline::Transactional),
+        }
+    }
+}
 use replayguard::{Fingerprint, Guard, LaneId};
 use serde::Serialize;
 use tokio::runtime::Runtime;
@@ -139,13 +160,16 @@ pub fn throughput(rt: &Runtime, spec: &CopySpec) -> BenchResult<ThroughputRun> {
     // partition at each partition EOF, which costs seconds with 32
     // partitions. The run stops once every input has reached the user
     // function; the final checkpoint then waits for every output's ack.
-    let mut p = GuardedPipeline::builder(consumer_config(broker.bootstrap(), "bench"), dir.path())
-        .input(INPUT)
-        .output(OUTPUT)
-        .mode(spec.mode)
-        .checkpoint_interval(spec.interval)
-        .retention_epochs(spec.retention_epochs)
-        .build()?;
+    let builder =
+        GuardedPipeline::builder(consumer_config(broker.bootstrap(), "bench"), dir.path())
+            .input(INPUT)
+            .output(OUTPUT)
+            .options(
+                GuardOptions::default()
+                    .checkpoint_interval(spec.interval)
+                    .retention_epochs(spec.retention_epochs),
+            );
+    let mut p = rt.block_on(spec.mode.apply(builder).build())?;
     let first = Arc::new(OnceLock::new());
     let calls = Arc::new(AtomicU64::new(0));
     let f = copier(first.clone(), calls.clone());
@@ -342,12 +366,12 @@ pub fn latency(rt: &Runtime, spec: &RateSpec) -> BenchResult<LatencyRun> {
     )?;
     let reader = Reader::start(broker.bootstrap(), OUTPUT, spec.partitions, transactional)?;
     let dir = tempfile::tempdir()?;
-    let mut p = GuardedPipeline::builder(consumer_config(broker.bootstrap(), "bench"), dir.path())
-        .input(INPUT)
-        .output(OUTPUT)
-        .mode(spec.mode)
-        .checkpoint_interval(spec.interval)
-        .build()?;
+    let builder =
+        GuardedPipeline::builder(consumer_config(broker.bootstrap(), "bench"), dir.path())
+            .input(INPUT)
+            .output(OUTPUT)
+            .options(GuardOptions::default().checkpoint_interval(spec.interval));
+    let mut p = rt.block_on(spec.mode.apply(builder).build())?;
     let first = Arc::new(OnceLock::new());
     let handed = Arc::new(Mutex::new(Vec::new()));
     let f = noting_copier(first.clone(), handed.clone());
@@ -567,11 +591,13 @@ pub fn restart(rt: &Runtime, spec: &RestartSpec<'_>) -> BenchResult<RestartRun> 
     copy_dir(spec.populated, dir.path())?;
     // A long interval: no checkpoint before the crash.
     let build = || {
-        GuardedPipeline::builder(consumer_config(broker.bootstrap(), "bench"), dir.path())
-            .input(INPUT)
-            .output(OUTPUT)
-            .checkpoint_interval(Duration::from_secs(3600))
-            .build()
+        rt.block_on(
+            GuardedPipeline::builder(consumer_config(broker.bootstrap(), "bench"), dir.path())
+                .input(INPUT)
+                .output(OUTPUT)
+                .options(GuardOptions::default().checkpoint_interval(Duration::from_secs(3600)))
+                .build(),
+        )
     };
     let mut p = build()?;
     let calls = Arc::new(AtomicU64::new(0));

@@ -9,8 +9,6 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
 
-use roaring::RoaringTreemap;
-
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::index::{
@@ -1173,11 +1171,13 @@ impl Guard {
 
     /// The offsets a lane handled in its live epochs (for tests and tools).
     #[must_use]
-    pub fn live_offsets(&self, lane: LaneId) -> RoaringTreemap {
-        self.lanes
-            .get(lane.0 as usize)
-            .map(|l| l.index.live_offsets())
-            .unwrap_or_default()
+    pub fn live_offsets(&self, lane: LaneId) -> crate::OffsetSet {
+        crate::OffsetSet(
+            self.lanes
+                .get(lane.0 as usize)
+                .map(|l| l.index.live_offsets())
+                .unwrap_or_default(),
+        )
     }
 
     /// Every lane the guard knows.

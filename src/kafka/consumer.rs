@@ -1,25 +1,30 @@
-//! The guarded consumer: wraps a `StreamConsumer` and yields each record
-//! once within the retention (G2).
+//! The guarded consumer: a `StreamConsumer` built from the user's own
+//! configuration that yields each record once within the retention (G2).
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::Stream;
+use futures::{FutureExt, Stream};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
 
-use super::context::{Core, GuardContext, Shared};
+use super::context::{Core, GuardContext, NoHooks};
 use super::lease::{Lease, Watchdog};
-use super::pipeline::{Mode, PipelineStats};
+use super::options::GuardOptions;
 use super::setup::{self, kafka};
+use super::shared::Shared;
 use crate::error::{Error, Result};
-use crate::fingerprint::{Fingerprint, Identity};
-use crate::guard::Guard;
+use crate::fingerprint::Fingerprint;
+use crate::guard::Stats;
 use crate::job::{Job, JobKind};
-use crate::store::Durability;
+
+/// Records admitted with one engine call, at most.
+const ADMIT_BATCH: usize = 256;
 
 /// A fresh record, to be acked with [`GuardedConsumer::ack`] once handled.
 #[derive(Debug)]
@@ -43,22 +48,31 @@ impl GuardedRecord {
     }
 }
 
+/// Counters of a guarded consumer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// Records received.
+    pub records_in: u64,
+    /// Records filtered as already handled.
+    pub duplicates: u64,
+    /// Fresh records handed to the application.
+    pub delivered: u64,
+    /// Records the application acked.
+    pub acked: u64,
+    /// Checkpoints completed.
+    pub checkpoints: u64,
+    /// The engine's snapshot.
+    pub guard: Option<Stats>,
+}
+
 /// Builds a [`GuardedConsumer`].
 #[must_use]
 pub struct GuardedConsumerBuilder {
     config: ClientConfig,
     state: PathBuf,
     topics: Vec<String>,
-    identity: Identity,
-    checkpoint_interval: Duration,
-    retention_epochs: u32,
-    retention_time: Option<Duration>,
-    durability: Durability,
-    stop_at_end: bool,
-    connect_attempts: u32,
-    timeout: Duration,
-    lease: Option<Duration>,
-    rebind: bool,
+    options: GuardOptions,
 }
 
 impl GuardedConsumerBuilder {
@@ -68,108 +82,47 @@ impl GuardedConsumerBuilder {
         self
     }
 
-    /// The identity of a record. Default [`Identity::Content`], which also
-    /// catches upstream resends at new offsets.
-    pub fn identity(mut self, identity: Identity) -> Self {
-        self.identity = identity;
+    /// How the consumer guards: identity, checkpoints, retention, and the
+    /// rest ([`GuardOptions`]). Default [`GuardOptions::default`].
+    pub fn options(mut self, options: GuardOptions) -> Self {
+        self.options = options;
         self
     }
 
-    /// Time between automatic checkpoints. Default 1 s; 10 ms to 1 h.
-    pub fn checkpoint_interval(mut self, d: Duration) -> Self {
-        self.checkpoint_interval = d;
-        self
-    }
-
-    /// Completed epochs kept besides the open one. Default 0. Upstream
-    /// resends are caught only within the retention.
-    pub fn retention_epochs(mut self, n: u32) -> Self {
-        self.retention_epochs = n;
-        self
-    }
-
-    /// Also keep epochs closed less than this long ago. Default none.
-    pub fn retention_time(mut self, d: Option<Duration>) -> Self {
-        self.retention_time = d;
-        self
-    }
-
-    /// Durability of chunk writes. Default [`Durability::Process`].
-    pub fn durability(mut self, d: Durability) -> Self {
-        self.durability = d;
-        self
-    }
-
-    /// [`GuardedConsumer::recv`] returns `None` once every assigned
-    /// partition is read to its high watermark. Default false.
-    pub fn stop_at_end(mut self, yes: bool) -> Self {
-        self.stop_at_end = yes;
-        self
-    }
-
-    /// The longest stall (the process frozen or starved) after which this
-    /// consumer still delivers records; after a longer one it stops, since
-    /// the group coordinator may have expired it. Default: the session
-    /// timeout less the heartbeat interval less a tenth (at least 1 s), 4 s
-    /// with the adapters' defaults; 5 s under `group.protocol=consumer`. It
-    /// must stay below the time the coordinator takes to expire a silent
-    /// member.
-    pub fn lease(mut self, d: Duration) -> Self {
-        self.lease = Some(d);
-        self
-    }
-
-    /// Re-bind the state folder to this consumer even when it belongs to
-    /// another job (another group or identity, or no topic in common),
-    /// instead of refusing it with [`Error::JobMismatch`]. Default false.
-    /// Only for a folder moved to another job on purpose.
-    pub fn rebind(mut self, yes: bool) -> Self {
-        self.rebind = yes;
-        self
-    }
-
-    /// Attempts to reach the brokers at build. Default 10.
-    pub fn connect_attempts(mut self, n: u32) -> Self {
-        self.connect_attempts = n;
-        self
-    }
-
-    /// Opens the state, reaches the brokers and subscribes.
+    /// Opens the state, reaches the brokers and subscribes. The broker
+    /// probes and the state's recovery block, so they run on tokio's
+    /// blocking threads.
     ///
     /// # Errors
     ///
     /// [`Error::Config`], [`Error::Unreachable`], [`Error::UnknownTopic`],
-    /// the state folder's open errors, and [`Error::Kafka`].
-    pub fn build(self) -> Result<GuardedConsumer> {
+    /// [`Error::Connect`], [`Error::JobMismatch`], the state folder's open
+    /// errors, and [`Error::Kafka`].
+    pub async fn build(self) -> Result<GuardedConsumer> {
+        crate::kafka::setup::on_blocking_thread("building the consumer", move || self.open()).await
+    }
+
+    fn open(self) -> Result<GuardedConsumer> {
         if self.topics.is_empty() {
             return Err(Error::Config("no topic given".into()));
         }
-        setup::check_interval(self.checkpoint_interval)?;
+        let o = &self.options;
+        o.validate()?;
         let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-        setup::probe_topics(&self.config, &topics, self.connect_attempts)?;
-        let guard = Guard::builder(&self.state)
-            .durability(self.durability)
-            .retention_epochs(self.retention_epochs)
-            .retention_time(self.retention_time)
-            .open()?;
-        let job = Job::new(
-            JobKind::Consumer,
-            &group,
-            &self.topics,
-            self.identity.label(),
-        );
-        crate::job::bind(&self.state, &job, self.rebind)?;
+        setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
+        let guard = o.open(&self.state)?;
+        let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label());
+        crate::job::bind(&self.state, &job, o.rebind)?;
         let instance = setup::instance_id(&self.state, &group, &self.topics)?;
-        let cfg = setup::guarded_consumer_config(&self.config, &instance)?;
+        let cfg = setup::guarded_consumer_config(&self.config, &instance, o.stop_at_end)?;
         let fenced = !setup::fault("no-fencing");
-        let lease = self.lease.unwrap_or_else(|| setup::lease_length(&cfg));
+        let lease = o.lease.unwrap_or_else(|| setup::lease_length(&cfg));
         let core = Arc::new(Core {
-            shared: Shared::new(Some(guard)),
-            producer: None,
-            reconciler: None,
-            mode: Mode::Guarded,
-            flush_timeout: self.timeout,
+            shared: Arc::new(Mutex::new(Shared::new(Some(guard)))),
+            hooks: Box::new(NoHooks),
+            timeout: o.timeout,
+            brokers: setup::brokers(&self.config),
             instance: setup::instance_token(&self.state)?,
             fenced,
             lease: Lease::new(lease, fenced),
@@ -184,34 +137,44 @@ impl GuardedConsumerBuilder {
             consumer,
             _watchdog: watchdog,
             core,
-            identity: self.identity,
-            interval: self.checkpoint_interval,
+            identity: self.options.identity.clone(),
+            interval: self.options.checkpoint_interval,
             last_checkpoint: Mutex::new(Instant::now()),
-            stop_at_end: self.stop_at_end,
-            timeout: self.timeout,
+            stop_at_end: self.options.stop_at_end,
             transient: Mutex::default(),
+            ended: AtomicBool::new(false),
+            ready: Mutex::default(),
         })
     }
 }
 
-/// A guarded wrapper around a `StreamConsumer`.
+/// A guarded consumer: built from the user's configuration, it yields each
+/// record once within the retention; an unacked record is delivered again
+/// after a restart.
 ///
 /// It turns off auto-commit (`enable.auto.commit=false`): positions are
 /// written to its manifest at each checkpoint and then committed to the
-/// group as advice. A record is filtered only when its identity was acked
-/// within the retention; an unacked record is delivered again after a
-/// restart.
+/// group as advice. Its consumer context is the guard's own, which must see
+/// every rebalance first (to checkpoint what leaves and recover what
+/// arrives), so a consumer context of the application's cannot be used; and
+/// the consumer is not handed out, since a seek or a commit of the
+/// application's would move positions behind the manifest's back.
+/// [`GuardedConsumer::assignment`] tells which partitions it holds.
 pub struct GuardedConsumer {
     consumer: Arc<StreamConsumer<GuardContext>>,
     /// Watches for stalls while the consumer lives.
     _watchdog: Option<Watchdog>,
     core: Arc<Core>,
-    identity: Identity,
+    identity: crate::Identity,
     interval: Duration,
     last_checkpoint: Mutex<Instant>,
     stop_at_end: bool,
-    timeout: Duration,
     transient: Mutex<super::trouble::TransientLog>,
+    /// With `stop_at_end`: the end of the input was seen; what is left to
+    /// deliver is in `ready`.
+    ended: AtomicBool,
+    /// Records admitted in a batch, not yet handed out.
+    ready: Mutex<VecDeque<GuardedRecord>>,
 }
 
 impl GuardedConsumer {
@@ -223,22 +186,20 @@ impl GuardedConsumer {
             config,
             state: state.as_ref().to_owned(),
             topics: Vec::new(),
-            identity: Identity::Content,
-            checkpoint_interval: Duration::from_secs(1),
-            retention_epochs: 0,
-            retention_time: None,
-            durability: Durability::Process,
-            stop_at_end: false,
-            connect_attempts: 10,
-            timeout: Duration::from_secs(30),
-            lease: None,
-            rebind: false,
+            options: GuardOptions::default(),
         }
     }
 
-    /// The wrapped consumer.
-    pub fn consumer(&self) -> &StreamConsumer<GuardContext> {
-        &self.consumer
+    /// The partitions assigned to this consumer now.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the client cannot say.
+    pub fn assignment(&self) -> Result<Vec<(String, i32)>> {
+        let tpl = self
+            .consumer
+            .assignment()
+            .map_err(kafka("reading the assignment"))?;
+        Ok(super::context::partitions(&tpl))
     }
 
     /// The next fresh record; `None` at the end of the input with
@@ -247,7 +208,8 @@ impl GuardedConsumer {
     ///
     /// # Errors
     ///
-    /// A failed recovery, checkpoint or store write.
+    /// A failed recovery, checkpoint or store write, a consumer error that
+    /// does not heal ([`Error::Consume`]), a lapsed lease.
     pub async fn recv(&self) -> Result<Option<GuardedRecord>> {
         loop {
             self.check_failure()?;
@@ -258,54 +220,88 @@ impl GuardedConsumer {
                 self.checkpoint().await?;
                 continue;
             }
+            let ready = self
+                .ready
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .pop_front();
+            if ready.is_none() && self.ended.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            if let Some(record) = ready {
+                // Not delivered once this consumer may have lost its
+                // partitions; the record stays unacked, so its next owner
+                // delivers it.
+                self.core.check_lease(&*self.consumer)?;
+                self.core.lock().counters.delivered += 1;
+                return Ok(Some(record));
+            }
             let msg = match tokio::time::timeout(due, self.consumer.recv()).await {
                 Err(_) => continue,
                 Ok(m) => m,
             };
-            self.check_failure()?;
-            let m = match msg {
-                Ok(m) => m,
-                Err(KafkaError::PartitionEOF(p)) => {
-                    if self.stop_at_end && self.core.at_end(&*self.consumer, p, self.timeout)? {
-                        return Ok(None);
+            self.read(msg)?;
+        }
+    }
+
+    /// Takes a received record and whatever else is ready, and admits them
+    /// with one engine call; with `stop_at_end`, notes the end of the input.
+    fn read(&self, first: std::result::Result<BorrowedMessage<'_>, KafkaError>) -> Result<()> {
+        let mut batch = Vec::new();
+        let mut next = Some(first);
+        while let Some(m) = next.take() {
+            match m {
+                Ok(m) => batch.push(m),
+                Err(KafkaError::PartitionEOF(p)) if self.stop_at_end => {
+                    // The records polled before the end event first: a
+                    // record admitted after it would clear the partition's
+                    // end again.
+                    self.admit(std::mem::take(&mut batch))?;
+                    if self.core.at_end(&*self.consumer, p)? {
+                        self.ended.store(true, Ordering::Relaxed);
+                        break;
                     }
-                    continue;
                 }
+                Err(KafkaError::PartitionEOF(_)) => {}
                 Err(e) if super::trouble::heals(&e) => {
                     if let Ok(mut log) = self.transient.lock() {
                         log.note(&e);
                     }
-                    continue;
                 }
-                Err(e) => {
-                    let e = self.core.consume_failure(&*self.consumer, e);
-                    self.core.lock().fail(e.to_string());
-                    return Err(e);
-                }
-            };
-            let (topic, partition, offset) = (m.topic(), m.partition(), m.offset());
-            let fp = super::identify(&self.identity, &m);
-            let mut s = self.core.lock();
-            if !s.admit(topic, partition, offset, fp)? {
-                continue;
+                Err(e) => return Err(self.core.consume_failure(&*self.consumer, e)),
             }
-            s.begin(topic, partition, offset, fp, 1);
-            drop(s);
-            // Not delivered once this consumer may have lost its partitions;
-            // the record stays unacked, so its next owner delivers it.
-            self.core.check_lease(&*self.consumer)?;
-            return Ok(Some(GuardedRecord {
-                message: m.detach(),
-                fingerprint: fp,
-            }));
+            if batch.len() < ADMIT_BATCH {
+                next = self.consumer.recv().now_or_never();
+            }
         }
+        self.admit(batch)
+    }
+
+    fn admit(&self, batch: Vec<BorrowedMessage<'_>>) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let verdicts = self.core.admit_polled(&self.identity, &batch)?;
+        let mut ready = self
+            .ready
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (m, (fp, ok)) in batch.into_iter().zip(verdicts) {
+            if ok {
+                ready.push_back(GuardedRecord {
+                    message: m.detach(),
+                    fingerprint: fp,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Marks a record handled. Its identity is recorded in the open epoch
     /// and written to the store at once (handed to the operating system, or
-    /// fsynced with [`Durability::Sync`]), so a crash after `ack` returns
-    /// does not deliver it again. The position may move past it at the next
-    /// checkpoint.
+    /// fsynced with [`crate::Durability::Sync`]), so a crash after `ack`
+    /// returns does not deliver it again. The position may move past it at
+    /// the next checkpoint.
     ///
     /// # Errors
     ///
@@ -321,13 +317,19 @@ impl GuardedConsumer {
     /// A store write failure (which poisons the guard).
     pub fn ack_many(&self, records: &[GuardedRecord]) -> Result<()> {
         let mut s = self.core.lock();
-        for r in records {
-            s.complete(r.message.topic(), r.message.partition(), r.message.offset())?;
-        }
-        match s.guard.as_mut() {
-            Some(g) => g.flush(),
-            None => Ok(()),
-        }
+        let mut done = || -> Result<()> {
+            for r in records {
+                s.complete(r.message.topic(), r.message.partition(), r.message.offset())?;
+                s.counters.acked += 1;
+            }
+            match s.guard.as_mut() {
+                Some(g) => g.flush(),
+                None => Ok(()),
+            }
+        };
+        let r = done();
+        drop(s);
+        r.map_err(|e| self.core.stop(e))
     }
 
     /// Writes a checkpoint now: pending identities and the manifest, fsynced;
@@ -338,8 +340,12 @@ impl GuardedConsumer {
     /// A store failure.
     pub async fn checkpoint(&self) -> Result<()> {
         let started = Instant::now();
-        let tpl = self.core.lock().checkpoint(None, false)?;
-        self.core.commit(&*self.consumer, &tpl, CommitMode::Async)?;
+        if let Err(e) = self
+            .core
+            .checkpoint(&*self.consumer, None, CommitMode::Async)
+        {
+            return Err(self.core.stop(e));
+        }
         if let Ok(mut t) = self.last_checkpoint.lock() {
             *t = Instant::now();
         }
@@ -361,9 +367,34 @@ impl GuardedConsumer {
         })
     }
 
+    /// Takes a final checkpoint (unless the consumer stopped with an
+    /// error), then closes the Kafka client and the state, waiting at most
+    /// `timeout`: closing a consumer can block for seconds.
+    ///
+    /// # Errors
+    /// A failed checkpoint; [`Error::Stopped`] when closing takes longer
+    /// than `timeout` (the client then goes on closing in the background).
+    pub async fn close(self, timeout: Duration) -> Result<()> {
+        let checkpointed = if self.core.lock().failed() {
+            Ok(())
+        } else {
+            self.checkpoint().await
+        };
+        let GuardedConsumer {
+            consumer,
+            core,
+            _watchdog,
+            ..
+        } = self;
+        drop(_watchdog);
+        let closed = super::close_bounded(move || drop((consumer, core)), timeout).await;
+        checkpointed.and(closed)
+    }
+
     /// Stops at once, as `kill -9` would: no checkpoint, no commit, and
     /// identities not yet written to the store are lost. For demonstrations
     /// and tests of recovery.
+    #[cfg(feature = "baselines")]
     pub fn abort(self) {
         self.core.abort();
         let GuardedConsumer { consumer, core, .. } = self;
@@ -375,20 +406,21 @@ impl GuardedConsumer {
 
     /// Counters so far.
     #[must_use]
-    pub fn stats(&self) -> PipelineStats {
+    pub fn stats(&self) -> ConsumerStats {
         let s = self.core.lock();
-        PipelineStats {
+        ConsumerStats {
             records_in: s.counters.records_in,
             duplicates: s.counters.duplicates,
-            outputs: 0,
+            delivered: s.counters.delivered,
+            acked: s.counters.acked,
             checkpoints: s.counters.checkpoints,
-            guard: s.guard.as_ref().map(Guard::stats),
+            guard: s.guard.as_ref().map(crate::Guard::stats),
         }
     }
 
     fn check_failure(&self) -> Result<()> {
         match self.core.failure() {
-            Some(f) => Err(Error::Stopped(format!("consumer stopped: {f}"))),
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }

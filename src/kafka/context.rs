@@ -1,361 +1,117 @@
-//! The state shared by a guarded consumer or pipeline, its producer's
-//! delivery callbacks and its rebalance callbacks; and the consumer context.
+//! What a guarded consumer or pipeline shares between threads ([`Core`]),
+//! and the consumer context that runs recovery and checkpoints in the
+//! rebalance callbacks ([`GuardContext`]).
+//!
+//! The context knows the shared state and the engine; what only a pipeline
+//! does (flushing its producer, reconciling its output, committing inside a
+//! transaction) it asks of the adapter through [`Hooks`].
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdkafka::client::ClientContext;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
-use rdkafka::error::KafkaResult;
-use rdkafka::producer::{Producer, ThreadedProducer};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, ConsumerGroupMetadata, RebalanceProtocol,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
-use serde::{Deserialize, Serialize};
 
 use super::lease::Lease;
-use super::pipeline::{DeliveryContext, Mode};
-use super::reconcile::Reconciler;
+use super::setup::kafka;
+use super::shared::{Held, Offered, Partition, Position, Shared, SinkPositions};
 use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprint;
-use crate::guard::{Guard, LaneId};
+use crate::fingerprint::{Fingerprint, Identity};
 
-/// One input record whose outputs are not all acked yet.
-#[derive(Debug)]
-pub(crate) struct Pending {
-    pub remaining: u32,
-    pub fp: Option<Fingerprint>,
-}
-
-/// What the adapter knows of one input partition in this session.
-#[derive(Debug, Default)]
-pub(crate) struct Track {
-    pub lane: Option<LaneId>,
-    /// The next offset to dispatch; records below it were dispatched (or
-    /// were below the start position) and are skipped. `None` until the
-    /// first record when the start position was not known.
-    pub next: Option<i64>,
-    /// Dispatched but not yet handled (outputs not acked, or not acked by
-    /// the application).
-    pub inflight: BTreeMap<i64, Pending>,
-    /// The content identities of `inflight`: a resend that arrives before
-    /// its first copy is handled is a duplicate too.
-    pub inflight_fps: std::collections::HashSet<Fingerprint>,
-}
-
-impl Track {
-    /// The position that may be committed: nothing before it is unhandled.
-    pub fn position(&self) -> Option<i64> {
-        self.inflight.keys().next().copied().or(self.next)
-    }
-}
-
-/// The sink positions stored in the manifest and in commit metadata: where
-/// output reconciliation starts.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SinkPositions {
-    /// Output topic.
-    #[serde(rename = "t")]
-    pub topic: String,
-    /// Output partition to the next offset after the last acked output.
-    #[serde(rename = "e")]
-    pub ends: BTreeMap<i32, i64>,
-    /// The instance that wrote it (its state folder's token).
-    #[serde(rename = "i", default)]
-    pub instance: String,
-    /// Written by a revoke that flushed and checkpointed: the next owner
-    /// need not wait for outputs in flight.
-    #[serde(rename = "c", default)]
-    pub clean: bool,
-    /// How long the writer's outputs can stay in flight, in milliseconds:
-    /// how long a new owner that got no clean handover waits.
-    #[serde(rename = "w", default)]
-    pub in_flight_ms: u64,
-}
-
-/// Counters shared across threads.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Counters {
-    pub records_in: u64,
-    pub duplicates: u64,
-    pub outputs: u64,
-    pub checkpoints: u64,
-}
-
-pub(crate) struct Shared {
-    pub guard: Option<Guard>,
-    pub tracks: HashMap<String, HashMap<i32, Track>>,
-    pub sink: Option<SinkPositions>,
-    pub failure: Option<String>,
-    pub counters: Counters,
-    /// Set by `abort`: callbacks then do nothing, as in a dead process.
-    pub aborted: bool,
-    /// Inputs of which reconciliation found some outputs but not all:
-    /// (topic, partition, offset) to the indices already written. Their
-    /// replay writes only the missing ones.
-    pub partial: HashMap<(String, i32, i64), std::collections::BTreeSet<u32>>,
-    /// Partition numbers that reported end-of-partition with no record
-    /// since; the exact end check runs only when all assigned ones did.
-    pub at_eof: std::collections::HashSet<i32>,
-    /// Partitions assigned but not recovered yet, see [`Held`].
-    pub held: Option<Held>,
-}
-
-/// Partitions whose previous owner (another instance) left without a clean
-/// handover: its outputs may be in flight until `until`. They stay paused,
-/// and any record of theirs is skipped, until then; then the output is
-/// reconciled and they resume from their start. The wait happens outside
-/// the rebalance callback, so that the member keeps taking part in its
-/// group meanwhile.
-#[derive(Debug)]
-pub(crate) struct Held {
-    pub until: Instant,
-    /// The previous owner, for logs.
-    pub from: String,
-    pub partitions: Vec<(String, i32)>,
-    /// Where reconciliation starts, as on assign.
-    pub manifest: Option<SinkPositions>,
-    pub commits: Vec<SinkPositions>,
-}
-
-impl Shared {
-    /// Shared state around a guard (none in the baseline modes).
-    pub fn new(guard: Option<Guard>) -> Arc<Mutex<Self>> {
-        Arc::new(Mutex::new(Shared {
-            guard,
-            tracks: HashMap::new(),
-            sink: None,
-            failure: None,
-            counters: Counters::default(),
-            aborted: false,
-            partial: HashMap::new(),
-            at_eof: std::collections::HashSet::new(),
-            held: None,
-        }))
+/// What an adapter adds to the context's recovery and checkpoints. A
+/// guarded consumer adds nothing; a pipeline flushes and reconciles its
+/// output.
+pub(crate) trait Hooks: Send + Sync {
+    /// Whether the adapter writes outputs: it then reconciles them on
+    /// recovery, and a new owner waits after an unclean handover.
+    fn writes(&self) -> bool {
+        false
     }
 
-    pub fn track(&mut self, topic: &str, partition: i32) -> &mut Track {
-        if !self.tracks.contains_key(topic) {
-            self.tracks.insert(topic.to_owned(), HashMap::new());
-        }
-        self.tracks
-            .get_mut(topic)
-            .map(|m| m.entry(partition).or_default())
-            .unwrap_or_else(|| unreachable!("inserted above"))
-    }
-
-    pub fn lane(&mut self, topic: &str, partition: i32) -> Option<LaneId> {
-        if let Some(l) = self
-            .tracks
-            .get(topic)
-            .and_then(|m| m.get(&partition))
-            .and_then(|t| t.lane)
-        {
-            return Some(l);
-        }
-        let lane = self.guard.as_mut()?.lane(topic, partition);
-        self.track(topic, partition).lane = Some(lane);
-        Some(lane)
-    }
-
-    /// One output of the input at `offset` was acked (or, for a guarded
-    /// consumer, the application acked it). Records the input as handled
-    /// when it was the last.
-    pub fn complete(&mut self, topic: &str, partition: i32, offset: i64) -> Result<()> {
-        let Some(track) = self
-            .tracks
-            .get_mut(topic)
-            .and_then(|m| m.get_mut(&partition))
-        else {
-            return Ok(());
-        };
-        let Some(p) = track.inflight.get_mut(&offset) else {
-            return Ok(());
-        };
-        p.remaining = p.remaining.saturating_sub(1);
-        if p.remaining > 0 {
-            return Ok(());
-        }
-        let fp = p.fp;
-        track.inflight.remove(&offset);
-        if let Some(f) = fp {
-            track.inflight_fps.remove(&f);
-        }
-        let lane = track.lane;
-        if let (Some(guard), Some(lane)) = (self.guard.as_mut(), lane) {
-            guard.record(lane, Some(offset as u64), fp)?;
-        }
+    /// Waits (blocking) until every output handed to the producer is acked.
+    ///
+    /// # Errors
+    /// When they are not acked within `timeout`.
+    fn flush(&self, _timeout: Duration) -> Result<()> {
         Ok(())
     }
 
-    /// Admits a received record: `false` when it must be skipped, because
-    /// it is below the partition's next offset (already dispatched in this
-    /// session) or a duplicate of a handled or in-flight record (counted).
-    /// An admitted record's position is passed: the caller dispatches it
-    /// with [`Shared::begin`].
-    pub fn admit(
-        &mut self,
-        topic: &str,
-        partition: i32,
-        offset: i64,
-        fp: Option<Fingerprint>,
+    /// Reads the output back from the given sink positions and records the
+    /// inputs found as handled (blocking).
+    ///
+    /// # Errors
+    /// A read or store failure.
+    fn reconcile(
+        &self,
+        _core: &Core,
+        _manifest: Option<&SinkPositions>,
+        _commits: &[SinkPositions],
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Commits input offsets itself (a transactional copy, inside its
+    /// transaction): `true` when it did, `false` to commit them to the
+    /// group.
+    ///
+    /// # Errors
+    /// A failed transaction.
+    fn commit(
+        &self,
+        _tpl: &TopicPartitionList,
+        _group: Option<ConsumerGroupMetadata>,
     ) -> Result<bool> {
-        // Fetched before its pause took hold: read again once released.
-        if self.held.as_ref().is_some_and(|h| {
-            h.partitions
-                .iter()
-                .any(|(t, p)| t == topic && *p == partition)
-        }) {
-            return Ok(false);
-        }
-        self.counters.records_in += 1;
-        metrics::counter!("replayguard_records_in_total").increment(1);
-        self.at_eof.remove(&partition);
-        let lane = self.lane(topic, partition);
-        let t = self.track(topic, partition);
-        if t.next.is_some_and(|n| offset < n) {
-            return Ok(false);
-        }
-        t.next = Some(offset + 1);
-        let reason = if fp.is_some_and(|f| t.inflight_fps.contains(&f)) {
-            Some(crate::Reason::SameContent)
-        } else if let (Some(lane), Some(g)) = (lane, self.guard.as_mut()) {
-            match g.check(lane, Some(offset as u64), fp)? {
-                crate::Verdict::Fresh => None,
-                crate::Verdict::Duplicate { reason, .. } => Some(reason),
-            }
-        } else {
-            None
-        };
-        if let Some(reason) = reason {
-            self.counters.duplicates += 1;
-            let label = match reason {
-                crate::Reason::SamePosition => "position",
-                crate::Reason::SameContent => "content",
-            };
-            metrics::counter!("replayguard_duplicates_total", "reason" => label).increment(1);
-            return Ok(false);
-        }
-        Ok(true)
+        Ok(false)
     }
 
-    /// Marks an admitted record in flight until `remaining` completions.
-    pub fn begin(
-        &mut self,
-        topic: &str,
-        partition: i32,
-        offset: i64,
-        fp: Option<Fingerprint>,
-        remaining: u32,
-    ) {
-        let t = self.track(topic, partition);
-        t.inflight.insert(offset, Pending { remaining, fp });
-        if let Some(f) = fp {
-            t.inflight_fps.insert(f);
-        }
-    }
-
-    /// Every partition's committable position.
-    pub fn positions(&self) -> Vec<(String, i32, i64, Option<LaneId>)> {
-        let mut out = Vec::new();
-        for (topic, parts) in &self.tracks {
-            for (p, t) in parts {
-                if let Some(pos) = t.position() {
-                    out.push((topic.clone(), *p, pos, t.lane));
-                }
-            }
-        }
-        out
-    }
-
-    pub fn inflight(&self) -> usize {
-        self.tracks
-            .values()
-            .flat_map(|m| m.values())
-            .map(|t| t.inflight.len())
-            .sum()
-    }
-
-    /// Writes the manifest (guarded mode) and returns the offsets to commit,
-    /// with the sink positions as commit metadata; `clean` marks a revoke
-    /// that flushed every output first.
-    pub fn checkpoint(
-        &mut self,
-        only: Option<&TopicPartitionList>,
-        clean: bool,
-    ) -> Result<TopicPartitionList> {
-        let positions = self.positions();
-        let meta = self.commit_metadata(clean)?;
-        let sink_json = meta.clone().into_bytes();
-        if let Some(guard) = self.guard.as_mut() {
-            let lanes: Vec<(LaneId, u64)> = positions
-                .iter()
-                .filter_map(|(_, _, pos, lane)| lane.map(|l| (l, *pos as u64)))
-                .collect();
-            guard.checkpoint(&lanes, sink_json.clone())?;
-        }
-        let mut tpl = TopicPartitionList::new();
-        for (topic, p, pos, _) in positions {
-            if only.is_some_and(|o| o.find_partition(&topic, p).is_none()) {
-                continue;
-            }
-            let mut e = tpl.add_partition(&topic, p);
-            e.set_offset(Offset::Offset(pos))
-                .map_err(super::setup::kafka("setting a commit offset"))?;
-            e.set_metadata(meta.clone());
-        }
-        self.counters.checkpoints += 1;
-        if let Some(g) = self.guard.as_ref() {
-            let st = g.stats();
-            metrics::gauge!("replayguard_live_fingerprints").set(st.live_fingerprints as f64);
-            metrics::gauge!("replayguard_live_epochs").set(st.live_epochs as f64);
-        }
-        Ok(tpl)
-    }
-
-    /// Forgets held partitions that left.
-    pub fn release_held(&mut self, gone: &TopicPartitionList) {
-        if let Some(h) = self.held.as_mut() {
-            h.partitions
-                .retain(|(t, p)| gone.find_partition(t, *p).is_none());
-            if h.partitions.is_empty() {
-                self.held = None;
-            }
-        }
-    }
-
-    /// The commit metadata: the sink positions with who wrote them, and
-    /// whether this is a clean handover. Empty without a sink (a guarded
-    /// consumer).
-    pub fn commit_metadata(&mut self, clean: bool) -> Result<String> {
-        match self.sink.as_mut() {
-            Some(sink) => {
-                sink.clean = clean;
-                serde_json::to_string(sink)
-                    .map_err(|e| Error::Config(format!("sink encoding: {e}")))
-            }
-            None => Ok(String::new()),
-        }
-    }
-
-    pub fn fail(&mut self, what: String) {
-        tracing::error!(error = %what, "replayguard stopped");
-        self.failure.get_or_insert(what);
-    }
+    /// Drops every output still queued, so that none is sent.
+    fn purge(&self) {}
 }
+
+/// The hooks of an adapter that writes nothing: a guarded consumer.
+pub(crate) struct NoHooks;
+
+impl Hooks for NoHooks {}
 
 /// Everything a guarded consumer or pipeline shares between threads.
 pub(crate) struct Core {
     pub shared: Arc<Mutex<Shared>>,
-    pub producer: Option<Arc<ThreadedProducer<DeliveryContext>>>,
-    pub reconciler: Option<Reconciler>,
-    pub mode: Mode,
-    pub flush_timeout: Duration,
+    pub hooks: Box<dyn Hooks>,
+    /// How long broker calls and flushes may take.
+    pub timeout: Duration,
+    /// The bootstrap servers, for messages.
+    pub brokers: String,
     /// This instance's token, written into commit metadata.
     pub instance: String,
-    /// Whether new owners wait for a previous owner's outputs in flight.
+    /// Whether fencing is on: the lease, and new owners' waits.
     pub fenced: bool,
     pub lease: Lease,
+}
+
+/// Offsets to commit, with metadata, as librdkafka takes them.
+fn commit_list(positions: &[Position], meta: &str) -> Result<TopicPartitionList> {
+    let mut tpl = TopicPartitionList::new();
+    for (topic, p, pos) in positions {
+        let mut e = tpl.add_partition(topic, *p);
+        e.set_offset(Offset::Offset(*pos))
+            .map_err(kafka("setting a commit offset"))?;
+        e.set_metadata(meta);
+    }
+    Ok(tpl)
+}
+
+/// The partitions of a librdkafka list.
+pub(crate) fn partitions(tpl: &TopicPartitionList) -> Vec<Partition> {
+    tpl.elements()
+        .iter()
+        .map(|e| (e.topic().to_owned(), e.partition()))
+        .collect()
 }
 
 impl Core {
@@ -367,20 +123,65 @@ impl Core {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The failure that stopped the guard, if one did.
+    pub fn failure(&self) -> Option<Error> {
+        self.lock().failure()
+    }
+
+    /// Stops the guard with `e` and returns it for the caller to return.
+    /// When the guard stopped already, `e` is returned as it is (it may be
+    /// that first failure, handed out by [`Core::failure`]).
+    pub fn stop(&self, e: Error) -> Error {
+        let mut s = self.lock();
+        if s.failed() {
+            return e;
+        }
+        s.fail(e);
+        s.failure().unwrap_or_else(|| Error::Stopped {
+            reason: "stopped".into(),
+        })
+    }
+
+    /// Admits a batch of polled records under one lock (see
+    /// [`Shared::admit`]): each record's identity, and whether it is to be
+    /// handed on. A failure stops the guard.
+    pub fn admit_polled(
+        &self,
+        identity: &Identity,
+        batch: &[BorrowedMessage<'_>],
+    ) -> Result<Vec<(Option<Fingerprint>, bool)>> {
+        let fps: Vec<Option<Fingerprint>> =
+            batch.iter().map(|m| super::identify(identity, m)).collect();
+        let offered: Vec<Offered<'_>> = batch
+            .iter()
+            .zip(&fps)
+            .map(|(m, fp)| Offered {
+                topic: m.topic(),
+                partition: m.partition(),
+                offset: m.offset(),
+                fp: *fp,
+            })
+            .collect();
+        let mut admitted = Vec::with_capacity(batch.len());
+        let r = self.lock().admit(&offered, &mut admitted);
+        if let Err(e) = r {
+            return Err(self.stop(e));
+        }
+        Ok(fps.into_iter().zip(admitted).collect())
+    }
+
     /// Fails when this instance's lease on its partitions lapsed (the
     /// process stood still longer than the lease) or librdkafka found its
-    /// session timed out: another member may own them now. A pipeline's
-    /// queued outputs are purged first, so that none of them is sent
-    /// (their inputs stay unhandled).
+    /// session timed out: another member may own them now. Queued outputs
+    /// are purged first, so that none of them is sent (their inputs stay
+    /// unhandled).
     pub fn check_lease(&self, consumer: &impl Consumer<GuardContext>) -> Result<()> {
         let lapsed = self.lease.lapsed();
         let lost = self.lease.enabled && lapsed.is_none() && consumer.assignment_lost();
         if lapsed.is_none() && !lost {
             return Ok(());
         }
-        if let Some(p) = &self.producer {
-            p.purge(rdkafka::producer::PurgeConfig::default().queue());
-        }
+        self.hooks.purge();
         let e = match lapsed {
             Some(since) => Error::LeaseLapsed {
                 since,
@@ -388,8 +189,7 @@ impl Core {
             },
             None => Error::AssignmentLost,
         };
-        self.lock().fail(e.to_string());
-        Err(e)
+        Err(self.stop(e))
     }
 
     pub fn is_aborted(&self) -> bool {
@@ -408,18 +208,13 @@ impl Core {
     }
 
     /// Notes that partition `eof` reached its end, and tells whether every
-    /// assigned partition was dispatched to its high watermark. The
-    /// watermarks (one round trip each) are read only once every assigned
-    /// partition has reported its end.
-    pub fn at_end(
-        &self,
-        consumer: &impl Consumer<GuardContext>,
-        eof: i32,
-        timeout: Duration,
-    ) -> Result<bool> {
+    /// assigned partition was read to its high watermark. The watermarks
+    /// (one round trip each) are read only once every assigned partition
+    /// has reported its end.
+    pub fn at_end(&self, consumer: &impl Consumer<GuardContext>, eof: i32) -> Result<bool> {
         let assignment = consumer
             .assignment()
-            .map_err(super::setup::kafka("reading the assignment"))?;
+            .map_err(kafka("reading the assignment"))?;
         {
             let mut s = self.lock();
             s.at_eof.insert(eof);
@@ -434,8 +229,8 @@ impl Core {
         }
         for e in assignment.elements() {
             let (_, hi) = consumer
-                .fetch_watermarks(e.topic(), e.partition(), timeout)
-                .map_err(super::setup::kafka("reading input watermarks"))?;
+                .fetch_watermarks(e.topic(), e.partition(), self.timeout)
+                .map_err(kafka("reading input watermarks"))?;
             let s = self.lock();
             let next = s
                 .tracks
@@ -454,11 +249,7 @@ impl Core {
     /// record's partition through rdkafka, so the location is every
     /// assigned partition not yet read to its high watermark, with the
     /// offset it is stuck at.
-    pub fn consume_failure(
-        &self,
-        consumer: &impl Consumer<GuardContext>,
-        e: rdkafka::error::KafkaError,
-    ) -> Error {
+    pub fn consume_failure(&self, consumer: &impl Consumer<GuardContext>, e: KafkaError) -> Error {
         let mut at = Vec::new();
         if let Ok(assignment) = consumer.assignment() {
             let positions = consumer.position().ok();
@@ -501,11 +292,11 @@ impl Core {
             1 => at.remove(0),
             _ => format!("one of {}", at.join(", ")),
         };
-        Error::Consume {
+        self.stop(Error::Consume {
             location,
             hint: super::trouble::hint(&e),
             source: Box::new(e),
-        }
+        })
     }
 
     /// The held partitions, as a list to pause.
@@ -519,9 +310,12 @@ impl Core {
         Some(tpl)
     }
 
-    /// When the held partitions' wait is over: reconciles the output,
-    /// then resumes them from their starts. Returns when the wait ends, if
-    /// it has not yet.
+    /// When the held partitions' wait is over: reconciles the output, then
+    /// resumes them from their starts. Returns when the wait ends, if it has
+    /// not yet.
+    ///
+    /// # Errors
+    /// A failed reconciliation, seek or resume.
     pub fn recover_held(&self, consumer: &impl Consumer<GuardContext>) -> Result<Option<Instant>> {
         let held = {
             let mut s = self.lock();
@@ -534,9 +328,8 @@ impl Core {
         let Some(held) = held else {
             return Ok(None);
         };
-        if let Some(r) = &self.reconciler {
-            r.reconcile(self, held.manifest.as_ref(), &held.commits)?;
-        }
+        self.hooks
+            .reconcile(self, held.manifest.as_ref(), &held.commits)?;
         let mut tpl = TopicPartitionList::new();
         {
             let mut s = self.lock();
@@ -548,7 +341,7 @@ impl Core {
                     .and_then(|tr| tr.next)
                 {
                     tpl.add_partition_offset(t, *p, Offset::Offset(next))
-                        .map_err(super::setup::kafka("building the list to resume"))?;
+                        .map_err(kafka("building the list to resume"))?;
                 }
                 // Its records skipped while held are read again.
                 s.at_eof.remove(p);
@@ -556,13 +349,11 @@ impl Core {
         }
         if tpl.count() > 0 {
             consumer
-                .seek_partitions(tpl.clone(), self.flush_timeout)
-                .map_err(super::setup::kafka(
-                    "seeking held partitions to their starts",
-                ))?;
+                .seek_partitions(tpl.clone(), self.timeout)
+                .map_err(kafka("seeking held partitions to their starts"))?;
             consumer
                 .resume(&tpl)
-                .map_err(super::setup::kafka("resuming held partitions"))?;
+                .map_err(kafka("resuming held partitions"))?;
         }
         tracing::info!(
             previous_owner = %held.from,
@@ -572,78 +363,50 @@ impl Core {
         Ok(None)
     }
 
-    pub fn failure(&self) -> Option<String> {
-        self.lock().failure.clone()
-    }
-
-    /// Waits (blocking) until every output is acked, then checkpoints.
-    /// Used from rebalance callbacks, which must finish before they return.
-    fn checkpoint_blocking(
+    /// Writes a checkpoint and commits it. With `leaving`, it is a revoke's:
+    /// every output handed on must be acked already (flushed by the
+    /// caller), it commits the leaving partitions only, and it marks the
+    /// handover clean.
+    ///
+    /// # Errors
+    /// A store failure, or outputs still unacked at a revoke.
+    pub fn checkpoint(
         &self,
-        consumer: &BaseConsumer<GuardContext>,
-        only: Option<&TopicPartitionList>,
+        consumer: &impl Consumer<GuardContext>,
+        leaving: Option<&[Partition]>,
+        mode: CommitMode,
     ) -> Result<()> {
-        if let Some(p) = &self.producer {
-            p.flush(self.flush_timeout)
-                .map_err(super::setup::kafka("flushing outputs before a revoke"))?;
-        }
-        let tpl = {
+        let (positions, meta) = {
             let mut s = self.lock();
-            if let Some(f) = &s.failure {
-                return Err(Error::Stopped(format!(
-                    "not checkpointing after a failure: {f}"
-                )));
+            if let Some(e) = s.failure() {
+                return Err(e);
             }
-            let unacked = only.map_or_else(
-                || s.inflight(),
-                |o| {
-                    o.elements()
-                        .iter()
-                        .filter_map(|e| s.tracks.get(e.topic()).and_then(|m| m.get(&e.partition())))
-                        .map(|t| t.inflight.len())
-                        .sum()
-                },
-            );
-            if self.producer.is_some() && unacked > 0 {
-                return Err(Error::Stopped(format!(
-                    "{unacked} outputs still unacked after the flush timeout"
-                )));
+            if let Some(leaving) = leaving {
+                let unacked = s.unacked_of(leaving);
+                if unacked > 0 {
+                    return Err(Error::Stopped {
+                        reason: format!(
+                            "{unacked} outputs still unacked after the flush timeout ({:?}) before a revoke",
+                            self.timeout
+                        ),
+                    });
+                }
             }
-            s.checkpoint(only, only.is_some())?
+            s.checkpoint(leaving, leaving.is_some())?
         };
-        self.commit(consumer, &tpl, CommitMode::Sync)
+        let tpl = commit_list(&positions, &meta)?;
+        self.commit(consumer, &tpl, mode)
     }
 
-    /// Commits input offsets: to the group (advisory), or inside the
-    /// transaction in transactional mode.
-    pub fn commit(
+    /// Commits input offsets: to the group (advisory), or through the
+    /// adapter (inside a transaction).
+    fn commit(
         &self,
         consumer: &impl Consumer<GuardContext>,
         tpl: &TopicPartitionList,
         mode: CommitMode,
     ) -> Result<()> {
-        if tpl.count() == 0 {
-            return Ok(());
-        }
-        if self.mode == Mode::Transactional {
-            let Some(p) = &self.producer else {
-                return Ok(());
-            };
-            let meta = consumer
-                .group_metadata()
-                .ok_or_else(|| Error::Config("transactional mode needs a consumer group".into()))?;
-            p.send_offsets_to_transaction(tpl, &meta, self.flush_timeout)
-                .map_err(super::setup::kafka("sending offsets to the transaction"))?;
-            p.commit_transaction(self.flush_timeout)
-                .map_err(super::setup::kafka("committing the transaction"))?;
-            p.begin_transaction()
-                .map_err(super::setup::kafka("beginning a transaction"))?;
-            // librdkafka's mock cluster acknowledges transactional offsets
-            // without storing them; a plain commit of the same offsets makes
-            // the baseline resumable there. On a real broker it is redundant.
-            if let Err(e) = consumer.commit(tpl, CommitMode::Sync) {
-                tracing::warn!(error = %e, "offset commit after the transaction failed");
-            }
+        if tpl.count() == 0 || self.hooks.commit(tpl, consumer.group_metadata())? {
             return Ok(());
         }
         match consumer.commit(tpl, mode) {
@@ -657,28 +420,41 @@ impl Core {
         }
     }
 
+    /// A revoke: flushes, checkpoints and commits the leaving partitions,
+    /// then forgets them. Records of theirs still being processed are left
+    /// to their next owner: their outputs are not written.
     fn on_revoke(&self, consumer: &BaseConsumer<GuardContext>, tpl: &TopicPartitionList) {
         let started = Instant::now();
         let span = tracing::info_span!("replayguard_revoke", partitions = tpl.count());
         let _e = span.enter();
-        if let Err(e) = self.checkpoint_blocking(consumer, Some(tpl)) {
-            self.lock()
-                .fail(format!("checkpoint on revoke failed: {e}"));
+        let leaving = partitions(tpl);
+        let done = self
+            .hooks
+            .flush(self.timeout)
+            .and_then(|()| self.checkpoint(consumer, Some(&leaving), CommitMode::Sync));
+        if let Err(e) = done {
+            tracing::error!(error = %e, "checkpoint on revoke failed");
+            self.lock().fail(e);
             return;
         }
-        let mut s = self.lock();
-        for e in tpl.elements() {
-            if let Some(m) = s.tracks.get_mut(e.topic()) {
-                m.remove(&e.partition());
-            }
-        }
-        s.release_held(tpl);
+        self.lock().forget(&leaving);
         metrics::histogram!("replayguard_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());
         tracing::info!(
             ms = started.elapsed().as_millis() as u64,
             "revoked partitions checkpointed"
         );
+    }
+
+    /// A revoke of partitions already lost (the session timed out): nothing
+    /// is committed for them, and queued outputs are purged, since another
+    /// member may own them.
+    fn on_lost(&self, consumer: &BaseConsumer<GuardContext>, tpl: &TopicPartitionList) {
+        tracing::warn!("assignment lost: not committing for partitions another member may own");
+        if self.fenced {
+            let _ = self.check_lease(consumer);
+        }
+        self.lock().forget(&partitions(tpl));
     }
 
     /// Recovers arriving partitions and sets their start offsets in `tpl`.
@@ -691,117 +467,42 @@ impl Core {
         let span = tracing::info_span!("replayguard_recover", partitions = tpl.count());
         let _e = span.enter();
         let committed = consumer
-            .committed_offsets(tpl.clone(), self.flush_timeout)
-            .map_err(super::setup::kafka("reading committed offsets"))?;
-        let mut from_commits: Vec<SinkPositions> = Vec::new();
-        // The longest a previous owner that left without a clean handover
-        // can still have outputs in flight, and who it was.
-        let mut zombie: Option<(Duration, String)> = None;
-        let mut starts = Vec::new();
-        let mut s = self.lock();
-        let manifest_sink: Option<SinkPositions> = s
+            .committed_offsets(tpl.clone(), self.timeout)
+            .map_err(kafka("reading committed offsets"))?;
+        let manifest_sink: Option<SinkPositions> = self
+            .lock()
             .guard
             .as_ref()
             .and_then(|g| g.manifest())
             .and_then(|m| serde_json::from_slice(&m.sink).ok());
+        let mut arrival = Arrival::default();
         for e in committed.elements() {
-            let (topic, p) = (e.topic().to_owned(), e.partition());
-            let group_pos = match e.offset() {
-                Offset::Offset(o) => Some(o),
-                _ => None,
-            };
-            let lane = s.lane(&topic, p);
-            let local = lane
-                .and_then(|l| s.guard.as_ref().and_then(|g| g.position(l)))
-                .map(|o| o as i64);
-            let start = match (local, group_pos) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
-            };
-            if let Some(known) = start.filter(|o| *o > 0) {
-                drop(s);
-                let (_, hi) = consumer
-                    .fetch_watermarks(&topic, p, self.flush_timeout)
-                    .map_err(super::setup::kafka("reading input watermarks"))?;
-                if hi < known {
-                    return Err(Error::TopicRewound {
-                        topic,
-                        partition: p,
-                        end: hi,
-                        known,
-                        done: "handled",
-                        risk: "skip the new topic's records below that offset",
-                    });
-                }
-                s = self.lock();
-            }
-            let sink = serde_json::from_str::<SinkPositions>(e.metadata()).ok();
-            if let Some(sink) = &sink
-                && group_pos >= local
-                && !sink.clean
-                && !sink.instance.is_empty()
-                && sink.instance != self.instance
-            {
-                let wait = Duration::from_millis(sink.in_flight_ms);
-                if zombie.as_ref().is_none_or(|(w, _)| wait > *w) {
-                    zombie = Some((wait, sink.instance.clone()));
-                }
-            }
-            if group_pos > local
-                && let Some(sink) = sink
-            {
-                from_commits.push(sink);
-            }
-            match (lane, local) {
-                (Some(_), None) => tracing::info!(
-                    partition = %format!("{topic}[{p}]"),
-                    start = ?start,
-                    "partition arrives with no local state: it starts at the group's committed offset, and only identities within the output reconciliation (pipeline) or handled from now on (consumer) are known"
-                ),
-                _ => {
-                    tracing::debug!(partition = %format!("{topic}[{p}]"), ?start, ?local, ?group_pos, "partition assigned")
-                }
-            }
-            let t = s.track(&topic, p);
-            t.next = start;
-            t.inflight.clear();
-            starts.push((topic, p, start));
+            self.arrive(consumer, e, &mut arrival)?;
         }
-        drop(s);
-        if let Some(r) = &self.reconciler {
-            match zombie.filter(|(wait, _)| self.fenced && !wait.is_zero()) {
+        if self.hooks.writes() {
+            match arrival.zombie.filter(|(w, _)| self.fenced && !w.is_zero()) {
                 Some((wait, from)) => {
                     super::lease::note_wait(wait, &from);
-                    let mut s = self.lock();
-                    let arriving = starts.iter().map(|(t, p, _)| (t.clone(), *p));
-                    match s.held.as_mut() {
-                        Some(h) => {
-                            h.until = h.until.max(Instant::now() + wait);
-                            h.partitions.extend(arriving);
-                            h.commits.extend(from_commits);
-                        }
-                        None => {
-                            s.held = Some(Held {
-                                until: Instant::now() + wait,
-                                from,
-                                partitions: arriving.collect(),
-                                manifest: manifest_sink,
-                                commits: from_commits,
-                            });
-                        }
-                    }
+                    self.hold(
+                        &arrival.starts,
+                        wait,
+                        from,
+                        manifest_sink,
+                        arrival.from_commits,
+                    );
                 }
                 None => {
-                    r.reconcile(self, manifest_sink.as_ref(), &from_commits)?;
+                    self.hooks
+                        .reconcile(self, manifest_sink.as_ref(), &arrival.from_commits)?;
                 }
             }
         }
-        for (topic, p, start) in starts {
+        for (topic, p, start) in arrival.starts {
             if let Some(o) = start
                 && let Some(mut el) = tpl.find_partition(&topic, p)
             {
                 el.set_offset(Offset::Offset(o))
-                    .map_err(super::setup::kafka("setting a start offset"))?;
+                    .map_err(kafka("setting a start offset"))?;
             }
         }
         let elapsed = started.elapsed();
@@ -812,6 +513,125 @@ impl Core {
         );
         Ok(())
     }
+
+    /// One arriving partition: where it starts (the further of this
+    /// folder's position and the group's), a refusal when its topic ends
+    /// below that (recreated), and what the group's metadata says of its
+    /// previous owner.
+    fn arrive(
+        &self,
+        consumer: &BaseConsumer<GuardContext>,
+        e: rdkafka::topic_partition_list::TopicPartitionListElem<'_>,
+        arrival: &mut Arrival,
+    ) -> Result<()> {
+        let (topic, p) = (e.topic().to_owned(), e.partition());
+        let group_pos = match e.offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        };
+        let (lane, local) = {
+            let mut s = self.lock();
+            let lane = s.lane(&topic, p);
+            let local = lane
+                .and_then(|l| s.guard.as_ref().and_then(|g| g.position(l)))
+                .map(|o| o as i64);
+            (lane, local)
+        };
+        let start = match (local, group_pos) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        if let Some(known) = start.filter(|o| *o > 0) {
+            let (_, hi) = consumer
+                .fetch_watermarks(&topic, p, self.timeout)
+                .map_err(kafka("reading input watermarks"))?;
+            if hi < known {
+                return Err(Error::TopicRewound {
+                    topic,
+                    partition: p,
+                    end: hi,
+                    known,
+                    done: "handled",
+                    risk: "skip the new topic's records below that offset",
+                });
+            }
+        }
+        let sink = serde_json::from_str::<SinkPositions>(e.metadata()).ok();
+        if let Some(sink) = &sink
+            && group_pos >= local
+            && !sink.clean
+            && !sink.instance.is_empty()
+            && sink.instance != self.instance
+        {
+            let wait = Duration::from_millis(sink.in_flight_ms);
+            if arrival.zombie.as_ref().is_none_or(|(w, _)| wait > *w) {
+                arrival.zombie = Some((wait, sink.instance.clone()));
+            }
+        }
+        if group_pos > local
+            && let Some(sink) = sink
+        {
+            arrival.from_commits.push(sink);
+        }
+        if lane.is_some() && local.is_none() {
+            tracing::info!(
+                partition = %format!("{topic}[{p}]"),
+                start = ?start,
+                "partition arrives with no local state: it starts at the group's committed offset, and only identities within the output reconciliation (pipeline) or handled from now on (consumer) are known"
+            );
+        } else {
+            tracing::debug!(partition = %format!("{topic}[{p}]"), ?start, ?local, ?group_pos, "partition assigned");
+        }
+        let mut s = self.lock();
+        let t = s.track(&topic, p);
+        t.next = start;
+        t.inflight.clear();
+        t.inflight_fps.clear();
+        arrival.starts.push((topic, p, start));
+        Ok(())
+    }
+
+    /// Holds arriving partitions until `wait` has passed, see [`Held`].
+    fn hold(
+        &self,
+        starts: &[(String, i32, Option<i64>)],
+        wait: Duration,
+        from: String,
+        manifest: Option<SinkPositions>,
+        commits: Vec<SinkPositions>,
+    ) {
+        let mut s = self.lock();
+        let arriving = starts.iter().map(|(t, p, _)| (t.clone(), *p));
+        let until = Instant::now() + wait;
+        match s.held.as_mut() {
+            Some(h) => {
+                h.until = h.until.max(until);
+                h.partitions.extend(arriving);
+                h.commits.extend(commits);
+            }
+            None => {
+                s.held = Some(Held {
+                    until,
+                    from,
+                    partitions: arriving.collect(),
+                    manifest,
+                    commits,
+                });
+            }
+        }
+    }
+}
+
+/// What [`Core::on_assign`] gathers over the arriving partitions.
+#[derive(Default)]
+struct Arrival {
+    /// Sink positions from the group's metadata, where it is ahead of this
+    /// folder: reconciliation starts there too.
+    from_commits: Vec<SinkPositions>,
+    /// The longest a previous owner that left without a clean handover can
+    /// still have outputs in flight, and who it was.
+    zombie: Option<(Duration, String)>,
+    starts: Vec<(String, i32, Option<i64>)>,
 }
 
 /// The consumer context of guarded consumers and pipelines.
@@ -829,12 +649,15 @@ impl ClientContext for GuardContext {
     /// A client-wide error that means the connection cannot work (refused
     /// credentials, TLS, an error librdkafka calls fatal) stops the guard;
     /// any other is logged at debug level, and librdkafka retries it.
-    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+    fn error(&self, error: KafkaError, reason: &str) {
         if super::trouble::global_is_fatal(&error) {
             let hint = super::trouble::hint(&error);
-            self.core.lock().fail(format!(
-                "the consumer's connection failed: {reason}; {hint}"
-            ));
+            self.core.lock().fail(Error::Connect {
+                brokers: self.core.brokers.clone(),
+                reason: format!("the consumer's connection failed: {reason}"),
+                hint,
+                source: Box::new(error),
+            });
         } else {
             tracing::debug!(error = %error, reason, "kafka client error; librdkafka retries it");
         }
@@ -856,14 +679,13 @@ impl ConsumerContext for GuardContext {
             consumer.rebalance_protocol(),
             RebalanceProtocol::Cooperative
         );
-        let r: KafkaResult<()> = match err {
+        let r = match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 if let Err(e) = self.core.on_assign(consumer, tpl) {
                     // Assign nothing: the failure stops the guard, and no
                     // record is delivered unrecovered.
-                    self.core
-                        .lock()
-                        .fail(format!("recovery on assign failed: {e}"));
+                    tracing::error!(error = %e, "recovery on assign failed");
+                    self.core.lock().fail(e);
                     return;
                 }
                 let assigned = if cooperative {
@@ -877,24 +699,10 @@ impl ConsumerContext for GuardContext {
                 })
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
-                if !consumer.assignment_lost() {
-                    self.core.on_revoke(consumer, tpl);
+                if consumer.assignment_lost() {
+                    self.core.on_lost(consumer, tpl);
                 } else {
-                    tracing::warn!(
-                        "assignment lost: not committing for partitions another member may own"
-                    );
-                    // Outputs still queued for them must not be sent: the
-                    // new owner writes them.
-                    if self.core.fenced {
-                        let _ = self.core.check_lease(consumer);
-                    }
-                    let mut s = self.core.lock();
-                    for e in tpl.elements() {
-                        if let Some(m) = s.tracks.get_mut(e.topic()) {
-                            m.remove(&e.partition());
-                        }
-                    }
-                    s.release_held(tpl);
+                    self.core.on_revoke(consumer, tpl);
                 }
                 if cooperative {
                     consumer.incremental_unassign(tpl)
@@ -908,9 +716,10 @@ impl ConsumerContext for GuardContext {
             }
         };
         if let Err(e) = r {
-            self.core
-                .lock()
-                .fail(format!("applying the assignment failed: {e}"));
+            self.core.lock().fail(Error::Kafka {
+                operation: "applying the assignment".into(),
+                source: e,
+            });
         }
     }
 }

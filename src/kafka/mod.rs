@@ -8,11 +8,32 @@
 //!   revoke it checkpoints the leaving partitions before returning, on assign
 //!   it recovers the arriving ones before their first record is delivered.
 //!
+//! - [`GuardOptions`] is how both guard: identity, checkpoints, retention,
+//!   durability, memory, fencing, broker patience.
+//!
+//! Opening is async ([`GuardedPipelineBuilder::build`],
+//! [`GuardedConsumerBuilder::build`]): the broker probes and the state's
+//! recovery run on tokio's blocking threads. Closing is bounded
+//! ([`GuardedPipeline::close`], [`GuardedConsumer::close`]). Recovery of
+//! partitions that arrive later runs inside librdkafka's rebalance callback,
+//! which rdkafka calls from the poll of `recv`, so a rebalance holds that
+//! task up for as long as recovery reads (bounded by the options' timeout).
+//!
+//! The baselines the guard is measured against (an at-least-once copy, a
+//! transactional copy) and the crash simulation `abort()` are behind the
+//! `baselines` feature, in [`baseline`] when it is on.
+//!
 //! ## What the adapters change in the user's configuration
 //!
 //! - `enable.auto.commit=false` and `enable.auto.offset.store=false`: the
 //!   manifest is the truth, and group offsets are committed (advisorily) at
 //!   each checkpoint.
+//! - `enable.partition.eof=true` with `stop_at_end` only: the end of the
+//!   input is found from partition-end events.
+//! - `auto.offset.reset=earliest` when not set: a partition with no
+//!   position anywhere (no state, no committed offset) is read from its
+//!   start, not from its end, so nothing already in it is skipped.
+//! - `linger.ms=5` for the pipeline's producer when not set.
 //! - `group.instance.id`, when not set, is derived from the state folder
 //!   (static membership, KIP-345), so that a restart after `kill -9` gets
 //!   its partitions back at once instead of waiting out the session
@@ -54,25 +75,46 @@
 //! bound before it reconciles the output. The README's guarantees say what
 //! this covers and what it does not.
 
+#[cfg(feature = "baselines")]
+pub mod baseline;
 mod consumer;
 mod context;
 mod headers;
 mod lease;
+mod options;
 mod pipeline;
 mod reconcile;
 mod setup;
+mod shared;
 mod trouble;
 
-pub use consumer::{GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
+pub use consumer::{ConsumerStats, GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
 pub use context::GuardContext;
 pub use headers::{FINGERPRINT_HEADER, PART_HEADER, SOURCE_HEADER, SourcePosition};
-pub use pipeline::{
-    GuardedPipeline, GuardedPipelineBuilder, Mode, OutputRecord, PipelineStats, StatsHandle,
-};
+pub use options::GuardOptions;
+pub use pipeline::output::OutputRecord;
+pub use pipeline::{GuardedPipeline, GuardedPipelineBuilder, PipelineStats, StatsHandle};
 
 use rdkafka::message::{Headers, Message};
 
 use crate::fingerprint::{Fingerprint, Identity};
+
+/// Runs `close` (dropping Kafka clients, which can block for seconds) on a
+/// blocking thread, waiting at most `timeout`.
+async fn close_bounded(
+    close: impl FnOnce() + Send + 'static,
+    timeout: std::time::Duration,
+) -> crate::Result<()> {
+    let closing = tokio::task::spawn_blocking(close);
+    match tokio::time::timeout(timeout, closing).await {
+        Ok(_) => Ok(()),
+        Err(_) => Err(crate::Error::Stopped {
+            reason: format!(
+                "closing the Kafka clients took longer than {timeout:?}; they go on closing in the background"
+            ),
+        }),
+    }
+}
 
 /// The content identity of a Kafka record under `identity`.
 pub(crate) fn identify(identity: &Identity, m: &impl Message) -> Option<Fingerprint> {

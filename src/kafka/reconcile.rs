@@ -14,9 +14,10 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
-use super::context::{Core, SinkPositions};
+use super::context::Core;
 use super::headers::{SourcePosition, read_guard_headers};
 use super::setup::kafka;
+use super::shared::SinkPositions;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
@@ -135,10 +136,12 @@ impl Reconciler {
             let Some(r) = self.reader.poll(Duration::from_millis(200)) else {
                 if last_progress.elapsed() > self.timeout {
                     let _ = self.reader.unassign();
-                    return Err(Error::Stopped(format!(
-                        "output reconciliation of {} made no progress for {:?}; partitions left: {:?}",
-                        self.topic, self.timeout, targets
-                    )));
+                    return Err(Error::Stopped {
+                        reason: format!(
+                            "output reconciliation of {} made no progress for {:?}; partitions left: {:?}",
+                            self.topic, self.timeout, targets
+                        ),
+                    });
                 }
                 continue;
             };

@@ -53,25 +53,21 @@ pub(crate) fn group_id(cfg: &ClientConfig) -> Result<String> {
         .ok_or_else(|| Error::Config("the consumer configuration has no group.id; set one".into()))
 }
 
-/// Refuses a checkpoint interval outside 10 ms to 1 h.
-pub(crate) fn check_interval(d: Duration) -> Result<()> {
-    if (Duration::from_millis(10)..=Duration::from_secs(3600)).contains(&d) {
-        Ok(())
-    } else {
-        Err(Error::Config(
-            "checkpoint interval must be between 10ms and 1h".into(),
-        ))
-    }
-}
-
 /// Applies the settings a guarded consumer needs. `instance` is the static
 /// membership id derived from the state folder.
-pub(crate) fn guarded_consumer_config(user: &ClientConfig, instance: &str) -> Result<ClientConfig> {
+pub(crate) fn guarded_consumer_config(
+    user: &ClientConfig,
+    instance: &str,
+    stop_at_end: bool,
+) -> Result<ClientConfig> {
     group_id(user)?;
     let mut cfg = user.clone();
     cfg.set("enable.auto.commit", "false");
     cfg.set("enable.auto.offset.store", "false");
-    cfg.set("enable.partition.eof", "true");
+    // The end of the input is found from partition-end events.
+    if stop_at_end {
+        cfg.set("enable.partition.eof", "true");
+    }
     // Static membership lets a restarted classic member take its
     // partitions back at once. Under KIP-848 a member killed without
     // leaving keeps its instance id until the broker's session timeout, and
@@ -383,4 +379,17 @@ pub(crate) fn kafka(operation: &str) -> impl FnOnce(KafkaError) -> Error + '_ {
 pub(crate) fn fault(name: &str) -> bool {
     cfg!(any(test, feature = "fault-injection"))
         && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
+}
+
+/// Runs `f` (which blocks: broker probes, state recovery) on tokio's
+/// blocking threads; `what` names it if the task is lost.
+pub(crate) async fn on_blocking_thread<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Stopped {
+            reason: format!("{what} did not finish: {e}"),
+        })?
 }

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use replayguard::Identity;
-use replayguard::kafka::Mode;
+use replayguard::kafka::GuardOptions;
+use replayguard::kafka::baseline::Baseline;
 
 use crate::format::Format;
 
@@ -220,8 +221,38 @@ fn parse_identity(s: &str) -> Result<Identity, String> {
     s.parse().map_err(config_text)
 }
 
+/// `pipe --mode`: the product, or a baseline to measure it against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Guarded,
+    Baseline(Baseline),
+}
+
 fn parse_mode(s: &str) -> Result<Mode, String> {
-    s.parse().map_err(config_text)
+    match s {
+        "guarded" => Ok(Mode::Guarded),
+        other => other.parse().map(Mode::Baseline).map_err(|_| {
+            format!("unknown mode {other:?}: use guarded, at-least-once or transactional")
+        }),
+    }
+}
+
+impl GuardArgs {
+    /// The guard's options, built once for `pipe` and `consume`.
+    pub fn options(&self) -> GuardOptions {
+        let mut o = GuardOptions::default()
+            .identity(self.identity.clone())
+            .checkpoint_interval(self.checkpoint_interval)
+            .retention_epochs(self.retention_epochs)
+            .retention_time(self.retention_time)
+            .stop_at_end(self.stop_at_end)
+            .connect_attempts(self.connect_attempts)
+            .rebind(self.rebind);
+        if let Some(lease) = self.lease {
+            o = o.lease(lease);
+        }
+        o
+    }
 }
 
 /// The library's text without its "invalid configuration" prefix, which
@@ -273,7 +304,7 @@ mod test {
         let Command::Pipe(p) = cli.command else {
             return Err(format!("parsed as another command: {cli:?}").into());
         };
-        assert_eq!(p.mode, Mode::AtLeastOnce);
+        assert_eq!(p.mode, Mode::Baseline(Baseline::AtLeastOnce));
         assert_eq!(p.guard.identity, Identity::Header("id".into()));
         assert_eq!(p.guard.checkpoint_interval, Duration::from_millis(500));
         assert_eq!(p.guard.retention_time, Some(Duration::from_secs(3600)));

@@ -5,7 +5,6 @@
 use std::fmt::Display;
 use std::io::Write;
 use std::path::Path;
-use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
@@ -47,7 +46,14 @@ impl Failure {
     /// runtime failure.
     pub fn starting(e: Error) -> Self {
         match e {
-            Error::Config(_) => Failure::usage(e),
+            Error::Config(msg) => Failure::usage(in_flag_terms(&msg)),
+            Error::Unreachable {
+                brokers,
+                attempts,
+                last,
+            } => Failure::runtime(format!(
+                "no broker reachable at {brokers} after {attempts} attempts ({last}); check --brokers and that the broker is up"
+            )),
             e @ Error::JobMismatch { .. } => {
                 let path = match &e {
                     Error::JobMismatch { path, .. } => path.display().to_string(),
@@ -60,6 +66,29 @@ impl Failure {
             e => Failure::runtime(e),
         }
     }
+}
+
+/// A library refusal of an option, said in terms of the flag that set it.
+fn in_flag_terms(msg: &str) -> String {
+    const FLAGS: [(&str, &str); 4] = [
+        (
+            "checkpoint_interval ",
+            "--checkpoint-interval: the checkpoint interval ",
+        ),
+        (
+            "connect_attempts ",
+            "--connect-attempts: the connect attempts ",
+        ),
+        ("lease ", "--lease: the lease "),
+        (
+            "delivery_timeout ",
+            "--delivery-timeout: the delivery timeout ",
+        ),
+    ];
+    FLAGS
+        .iter()
+        .find_map(|(name, flag)| msg.strip_prefix(name).map(|rest| format!("{flag}{rest}")))
+        .unwrap_or_else(|| msg.to_owned())
 }
 
 impl From<Error> for Failure {
@@ -159,83 +188,19 @@ pub fn check_properties(args: &GuardArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-const MARKER: &str = replayguard::store::MARKER_FILE;
-
 /// Refuses a `--state` that the guard would refuse, before any broker is
-/// contacted, and a path whose parent is missing (most likely a typo, which
-/// would otherwise start from empty state and repeat everything).
-pub fn check_state_for_run(path: &Path) -> Result<(), Failure> {
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_dir() => Err(Failure::runtime(format!(
-            "--state {} is a file, not a folder; point --state at a folder",
+/// contacted; see [`replayguard::check_state_folder`].
+pub fn check_state(path: &Path, purpose: replayguard::FolderUse) -> Result<(), Failure> {
+    replayguard::check_state_folder(path, purpose).map_err(|e| match e {
+        Error::StateFolder { path, what } => {
+            Failure::runtime(format!("--state {}: {what}", path.display()))
+        }
+        Error::ForeignState { path } => Failure::runtime(format!(
+            "{} is not a replayguard state folder (it is not empty and has no REPLAYGUARD marker); refusing to touch it: point --state at an empty or new folder",
             path.display()
-        ))),
-        Ok(_) => {
-            let new = replayguard::store::is_new_folder(path).map_err(|e| {
-                Failure::runtime(format!("cannot read --state {}: {e}", path.display()))
-            })?;
-            if path.join(MARKER).is_file() || new {
-                Ok(())
-            } else {
-                Err(Failure::runtime(Error::ForeignState {
-                    path: path.to_owned(),
-                }))
-            }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let parent = match path.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p,
-                _ => Path::new("."),
-            };
-            if parent.is_dir() {
-                Ok(())
-            } else {
-                Err(Failure::runtime(format!(
-                    "the parent folder of --state {} does not exist; create it, or fix the path \
-                     (only the state folder itself is created)",
-                    path.display()
-                )))
-            }
-        }
-        Err(source) => Err(Failure::runtime(Error::Open {
-            path: path.to_owned(),
-            source,
-        })),
-    }
-}
-
-/// Refuses a `--state` that is not an existing replayguard state folder,
-/// without creating or changing anything.
-pub fn check_state_exists(path: &Path) -> Result<(), Failure> {
-    match std::fs::metadata(path) {
-        Ok(m) if m.is_dir() => {}
-        Ok(_) => {
-            return Err(Failure::runtime(format!(
-                "--state {} is a file, not a replayguard state folder; check the path",
-                path.display()
-            )));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Failure::runtime(format!(
-                "state folder {} does not exist; check --state",
-                path.display()
-            )));
-        }
-        Err(source) => {
-            return Err(Failure::runtime(Error::Open {
-                path: path.to_owned(),
-                source,
-            }));
-        }
-    }
-    if path.join(MARKER).is_file() {
-        Ok(())
-    } else {
-        Err(Failure::runtime(format!(
-            "{} is not a replayguard state folder (it has no {MARKER} marker); check --state",
-            path.display()
-        )))
-    }
+        )),
+        e => Failure::runtime(e),
+    })
 }
 
 /// SIGINT and SIGTERM. The first asks for a stop (finish the record at
@@ -288,44 +253,23 @@ impl Stop {
     }
 }
 
-/// Runs `build` (which blocks: broker probes, opening the state) on a
-/// blocking thread. `None` when a stop was asked for first.
-pub async fn start<T, F>(build: F, stop: &Stop) -> Result<Option<T>, Failure>
-where
-    T: Send + 'static,
-    F: FnOnce() -> replayguard::Result<T> + Send + 'static,
-{
-    let task = tokio::task::spawn_blocking(build);
+/// Awaits `build` (the adapters' async open). `None` when a stop was
+/// asked for first.
+pub async fn start<T>(
+    build: impl Future<Output = replayguard::Result<T>>,
+    stop: &Stop,
+) -> Result<Option<T>, Failure> {
     tokio::select! {
-        joined = task => match joined {
-            Ok(built) => built.map(Some).map_err(Failure::starting),
-            Err(e) => Err(Failure::runtime(format!("start-up failed: {e}"))),
-        },
+        built = build => built.map(Some).map_err(Failure::starting),
         () = stop.wait() => Ok(None),
     }
 }
 
-/// Drops the Kafka clients and the state on a thread of their own, waiting
-/// at most `limit`: closing a consumer can block for seconds. Everything
-/// that matters is already checkpointed, so an exit before it finishes is
-/// as safe as a crash.
-pub fn close<T: Send + 'static>(what: T, limit: Duration) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new()
-        .name("replayguard-close".into())
-        .spawn(move || {
-            drop(what);
-            let _ = tx.send(());
-        });
-    match spawned {
-        Ok(_) => {
-            if rx.recv_timeout(limit).is_err() {
-                tracing::warn!(
-                    seconds = limit.as_secs(),
-                    "closing the Kafka clients is slow; exiting without waiting"
-                );
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "cannot start a thread to close the clients"),
+/// Awaits an adapter's bounded close; a close that runs out of time is
+/// logged, not a failure: everything that matters is checkpointed, so an
+/// exit before it finishes is as safe as a crash.
+pub async fn close(closing: impl Future<Output = replayguard::Result<()>>) {
+    if let Err(e) = closing.await {
+        tracing::warn!(error = %e, "closing the Kafka clients");
     }
 }

@@ -24,30 +24,21 @@ enum End {
 pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
     let g = &args.guard;
     common::check_properties(g)?;
-    common::check_state_for_run(&g.state)?;
-    let mut builder = GuardedConsumer::builder(common::consumer_config(g), &g.state)
-        .identity(g.identity.clone())
-        .checkpoint_interval(g.checkpoint_interval)
-        .retention_epochs(g.retention_epochs)
-        .retention_time(g.retention_time)
-        .stop_at_end(g.stop_at_end)
-        .connect_attempts(g.connect_attempts);
-    if let Some(lease) = g.lease {
-        builder = builder.lease(lease);
-    }
-    builder = builder.rebind(g.rebind);
+    common::check_state(&g.state, replayguard::FolderUse::Run)?;
+    let mut builder =
+        GuardedConsumer::builder(common::consumer_config(g), &g.state).options(g.options());
     for topic in &args.topic {
         builder = builder.topic(topic);
     }
     let stop = Stop::install()?;
-    let Some(consumer) = common::start(move || builder.build(), &stop).await? else {
+    let Some(consumer) = common::start(builder.build(), &stop).await? else {
         return Ok(());
     };
     let consumer = Arc::new(consumer);
     // Records on the same terminal would break the progress line.
     let watched = consumer.clone();
     let progress = Progress::start(!std::io::stdout().is_terminal(), false, move || {
-        watched.stats()
+        watched.stats().into()
     });
 
     let mut stopped = std::pin::pin!(stop.wait());
@@ -93,7 +84,11 @@ pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
         }
         End::Guard(e) => Err(Failure::from(e)),
     };
-    progress.finish(consumer.stats()).await;
-    common::close(consumer, Duration::from_secs(10));
+    progress.finish(consumer.stats().into()).await;
+    // The progress line's handle is gone with it; if not, the consumer
+    // closes when the process exits, which is as safe as a crash.
+    if let Ok(consumer) = Arc::try_unwrap(consumer) {
+        common::close(consumer.close(Duration::from_secs(10))).await;
+    }
     result
 }

@@ -5,7 +5,7 @@ use std::io::{ErrorKind, Write};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use replayguard::store::FORMAT_VERSION;
+use replayguard::FORMAT_VERSION;
 use replayguard::{Error, Guard};
 use serde::Serialize;
 
@@ -67,7 +67,7 @@ struct LaneRow {
 
 pub fn run(args: &InspectArgs) -> Result<(), Failure> {
     // Opening a folder that is not already a state folder would make one.
-    common::check_state_exists(&args.state)?;
+    common::check_state(&args.state, replayguard::FolderUse::Existing)?;
     let report = read(&args.state)?;
     let text = if args.json {
         let mut t = serde_json::to_string_pretty(&report)

@@ -5,7 +5,42 @@ use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use replayguard::kafka::PipelineStats;
+use replayguard::Stats;
+use replayguard::kafka::{ConsumerStats, PipelineStats};
+
+/// What the progress line shows, from either adapter's counters.
+#[derive(Clone, Debug, Default)]
+pub struct Counts {
+    pub records_in: u64,
+    pub outputs: u64,
+    pub duplicates: u64,
+    pub checkpoints: u64,
+    pub guard: Option<Stats>,
+}
+
+impl From<PipelineStats> for Counts {
+    fn from(s: PipelineStats) -> Self {
+        Counts {
+            records_in: s.records_in,
+            outputs: s.outputs,
+            duplicates: s.duplicates,
+            checkpoints: s.checkpoints,
+            guard: s.guard,
+        }
+    }
+}
+
+impl From<ConsumerStats> for Counts {
+    fn from(s: ConsumerStats) -> Self {
+        Counts {
+            records_in: s.records_in,
+            outputs: s.delivered,
+            duplicates: s.duplicates,
+            checkpoints: s.checkpoints,
+            guard: s.guard,
+        }
+    }
+}
 use tokio::task::JoinHandle;
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -45,7 +80,7 @@ impl Progress {
     /// a terminal. `outputs` says whether the output count means anything.
     pub fn start<F>(enabled: bool, outputs: bool, stats: F) -> Progress
     where
-        F: Fn() -> PipelineStats + Send + 'static,
+        F: Fn() -> Counts + Send + 'static,
     {
         if !enabled || !std::io::stderr().is_terminal() {
             return Progress {
@@ -74,7 +109,7 @@ impl Progress {
     }
 
     /// Stops the line; prints a last summary of `stats` when it was shown.
-    pub async fn finish(self, stats: PipelineStats) {
+    pub async fn finish(self, stats: Counts) {
         let Some(task) = self.task else { return };
         task.abort();
         let _ = task.await;
@@ -100,7 +135,7 @@ impl Line {
         }
     }
 
-    fn update(&mut self, s: &PipelineStats) -> String {
+    fn update(&mut self, s: &Counts) -> String {
         if s.checkpoints != self.checkpoints {
             self.checkpoints = s.checkpoints;
             self.last_checkpoint = Some(Instant::now());

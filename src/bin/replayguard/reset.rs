@@ -8,7 +8,7 @@ use crate::cli::ResetArgs;
 use crate::common::{self, Failure};
 
 pub fn run(args: &ResetArgs) -> Result<(), Failure> {
-    common::check_state_exists(&args.state)?;
+    common::check_state(&args.state, replayguard::FolderUse::Existing)?;
     // Opening takes the folder's lock (a running instance holds it) and
     // refuses a damaged or foreign folder: only a replayguard folder nobody
     // uses is emptied.

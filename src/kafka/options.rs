@@ -1,0 +1,228 @@
+//! The guard's knobs, one type for both adapters (and the command line).
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Identity;
+use crate::guard::Guard;
+use crate::store::Durability;
+
+/// How a guarded consumer or pipeline guards: identity, checkpoints,
+/// retention, durability, memory, fencing and broker patience. Both
+/// builders take one ([`GuardedConsumerBuilder::options`],
+/// [`GuardedPipelineBuilder::options`]); every setter states its default
+/// and bounds, and the builders check them when they build.
+///
+/// [`GuardedConsumerBuilder::options`]: super::GuardedConsumerBuilder::options
+/// [`GuardedPipelineBuilder::options`]: super::GuardedPipelineBuilder::options
+///
+/// ```
+/// use std::time::Duration;
+/// use replayguard::kafka::GuardOptions;
+///
+/// let options = GuardOptions::default()
+///     .checkpoint_interval(Duration::from_millis(500))
+///     .retention_time(Some(Duration::from_secs(3600)));
+/// # let _ = options;
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct GuardOptions {
+    pub(crate) identity: Identity,
+    pub(crate) checkpoint_interval: Duration,
+    pub(crate) retention_epochs: u32,
+    pub(crate) retention_time: Option<Duration>,
+    pub(crate) durability: Durability,
+    pub(crate) max_memory_bytes: Option<u64>,
+    pub(crate) stop_at_end: bool,
+    pub(crate) connect_attempts: u32,
+    pub(crate) timeout: Duration,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) rebind: bool,
+}
+
+impl Default for GuardOptions {
+    fn default() -> Self {
+        GuardOptions {
+            identity: Identity::Content,
+            checkpoint_interval: Duration::from_secs(1),
+            retention_epochs: 0,
+            retention_time: None,
+            durability: Durability::Process,
+            max_memory_bytes: None,
+            stop_at_end: false,
+            connect_attempts: 10,
+            timeout: Duration::from_secs(30),
+            lease: None,
+            rebind: false,
+        }
+    }
+}
+
+impl GuardOptions {
+    /// The identity of a record. Default [`Identity::Content`], which also
+    /// catches upstream resends at new offsets. A state folder keeps the
+    /// identity it was first used with.
+    pub fn identity(mut self, identity: Identity) -> Self {
+        self.identity = identity;
+        self
+    }
+
+    /// Time between checkpoints. Default 1 s; bounds 10 ms to 1 h.
+    pub fn checkpoint_interval(mut self, d: Duration) -> Self {
+        self.checkpoint_interval = d;
+        self
+    }
+
+    /// Completed epochs kept besides the open one. Default 0: everything
+    /// since the previous completed checkpoint, which covers the guard's
+    /// own replays. Upstream resends are caught only within the retention.
+    /// Bounds: 0 to 1,000,000.
+    pub fn retention_epochs(mut self, n: u32) -> Self {
+        self.retention_epochs = n;
+        self
+    }
+
+    /// Also keep epochs closed less than this long ago. Default none;
+    /// bounds: at most 365 days.
+    pub fn retention_time(mut self, d: Option<Duration>) -> Self {
+        self.retention_time = d;
+        self
+    }
+
+    /// How hard identity writes try to reach the disk. Default
+    /// [`Durability::Process`]; checkpoints are always fsynced.
+    pub fn durability(mut self, d: Durability) -> Self {
+        self.durability = d;
+        self
+    }
+
+    /// Memory for the identities of sealed epochs; older sealed epochs
+    /// beyond it stay on disk with a small filter in memory. Default none
+    /// (everything in memory).
+    pub fn max_memory_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.max_memory_bytes = bytes;
+        self
+    }
+
+    /// End once every assigned partition is read to its high watermark,
+    /// after a final checkpoint. Default false.
+    pub fn stop_at_end(mut self, yes: bool) -> Self {
+        self.stop_at_end = yes;
+        self
+    }
+
+    /// Metadata probes (about 3.5 s each) before unreachable brokers are an
+    /// error. Default 10; bounds 1 to 1,000.
+    pub fn connect_attempts(mut self, n: u32) -> Self {
+        self.connect_attempts = n;
+        self
+    }
+
+    /// How long broker calls may take, and outputs (of a pipeline) to be
+    /// acked at a checkpoint. Default 30 s; bounds 1 s to 1 h.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = d;
+        self
+    }
+
+    /// The longest stall (the process frozen or starved) after which the
+    /// instance still hands on work; after a longer one it stops, since the
+    /// group coordinator may have expired it. Default: the session timeout
+    /// less the heartbeat interval less a tenth (at least 1 s), 4 s with
+    /// the adapters' defaults; 5 s under `group.protocol=consumer`, whose
+    /// session timeout is the broker's. It must stay below the time the
+    /// coordinator takes to expire a silent member. Bounds: 100 ms to 1 h.
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = Some(d);
+        self
+    }
+
+    /// Hand the state folder to this job even when it belongs to another
+    /// (another group, output, or no input in common) instead of refusing
+    /// it with [`Error::JobMismatch`]: its positions and identities are
+    /// then taken as this job's. The identity cannot change this way.
+    /// Default false.
+    pub fn rebind(mut self, yes: bool) -> Self {
+        self.rebind = yes;
+        self
+    }
+
+    /// Checks every option against its bounds (the engine checks its own
+    /// when it opens).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the option.
+    pub fn validate(&self) -> Result<()> {
+        let within = |d: Duration, lo: Duration, hi: Duration| (lo..=hi).contains(&d);
+        if !within(
+            self.checkpoint_interval,
+            Duration::from_millis(10),
+            Duration::from_secs(3600),
+        ) {
+            return Err(Error::Config(
+                "checkpoint_interval must be between 10ms and 1h".into(),
+            ));
+        }
+        if !(1..=1000).contains(&self.connect_attempts) {
+            return Err(Error::Config(
+                "connect_attempts must be between 1 and 1000".into(),
+            ));
+        }
+        if !within(
+            self.timeout,
+            Duration::from_secs(1),
+            Duration::from_secs(3600),
+        ) {
+            return Err(Error::Config("timeout must be between 1s and 1h".into()));
+        }
+        if self
+            .lease
+            .is_some_and(|l| !within(l, Duration::from_millis(100), Duration::from_secs(3600)))
+        {
+            return Err(Error::Config("lease must be between 100ms and 1h".into()));
+        }
+        Ok(())
+    }
+
+    /// Opens the engine over `state` with these options.
+    pub(crate) fn open(&self, state: &Path) -> Result<Guard> {
+        Guard::builder(state)
+            .durability(self.durability)
+            .retention_epochs(self.retention_epochs)
+            .retention_time(self.retention_time)
+            .max_memory_bytes(self.max_memory_bytes)
+            .open()
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn out_of_bounds_options_are_refused_by_name() {
+        assert!(GuardOptions::default().validate().is_ok());
+        for (options, name) in [
+            (
+                GuardOptions::default().checkpoint_interval(Duration::from_millis(1)),
+                "checkpoint_interval",
+            ),
+            (
+                GuardOptions::default().connect_attempts(0),
+                "connect_attempts",
+            ),
+            (GuardOptions::default().timeout(Duration::ZERO), "timeout"),
+            (
+                GuardOptions::default().lease(Duration::from_millis(1)),
+                "lease",
+            ),
+        ] {
+            match options.validate() {
+                Err(Error::Config(m)) => assert!(m.contains(name), "{m}"),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! The guarded pipeline: consumer, then a user function, then an idempotent
+//! producer, with output reconciliation (G1).
+//!
+//! - `mod.rs`: the builder and the pipeline's handle;
+//! - [`output`]: what the function returns, and the delivery reports;
+//! - `hooks`: what the pipeline adds to the context's recovery and
+//!   checkpoints (flushing, reconciling, a transaction);
+//! - `run`: the read, process and write loop.
+
+mod hooks;
+pub(crate) mod output;
+mod run;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::producer::{Producer, ThreadedProducer};
+
+use super::context::{Core, GuardContext};
+use super::lease::{Lease, Watchdog};
+use super::options::GuardOptions;
+use super::reconcile::Reconciler;
+use super::setup::{self, kafka};
+use super::shared::{Shared, SinkPositions};
+use crate::Guard;
+use crate::error::{Error, Result};
+use crate::guard::Stats;
+use crate::job::{Job, JobKind};
+use hooks::PipelineHooks;
+use output::DeliveryContext;
+
+/// What the pipeline writes and how: the product (guarded) or one of the
+/// baselines it is measured against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Guarded,
+    AtLeastOnce,
+    Transactional,
+}
+
+/// Counters of a pipeline run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PipelineStats {
+    /// Input records received.
+    pub records_in: u64,
+    /// Inputs filtered as already handled.
+    pub duplicates: u64,
+    /// Outputs acked by the broker.
+    pub outputs: u64,
+    /// Checkpoints completed.
+    pub checkpoints: u64,
+    /// The engine's snapshot (none in the baselines).
+    pub guard: Option<Stats>,
+}
+
+/// Builds a [`GuardedPipeline`].
+#[must_use]
+pub struct GuardedPipelineBuilder {
+    consumer: ClientConfig,
+    producer: Option<ClientConfig>,
+    state: PathBuf,
+    inputs: Vec<String>,
+    output: Option<String>,
+    options: GuardOptions,
+    delivery_timeout: Duration,
+    pub(crate) mode: Mode,
+    pub(crate) reconcile: bool,
+}
+
+impl GuardedPipelineBuilder {
+    /// Adds an input topic (at least one is required).
+    pub fn input(mut self, topic: impl Into<String>) -> Self {
+        self.inputs.push(topic.into());
+        self
+    }
+
+    /// The output topic (required; not one of the inputs).
+    pub fn output(mut self, topic: impl Into<String>) -> Self {
+        self.output = Some(topic.into());
+        self
+    }
+
+    /// How the pipeline guards: identity, checkpoints, retention, and the
+    /// rest ([`GuardOptions`]). Default [`GuardOptions::default`].
+    pub fn options(mut self, options: GuardOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The producer's configuration. Default: the connection settings of the
+    /// consumer configuration. `enable.idempotence=true` and `acks=all` are
+    /// set; a configuration turning either off is refused at `build`.
+    pub fn producer_config(mut self, cfg: ClientConfig) -> Self {
+        self.producer = Some(cfg);
+        self
+    }
+
+    /// How long an output may take to reach the broker: the producer's
+    /// `message.timeout.ms`, unless the producer configuration sets it.
+    /// Default 10 s. It bounds how long an instance that lost its
+    /// partitions while frozen or cut off can still have outputs in flight,
+    /// and so how long a new owner that got no clean handover waits before
+    /// it reconciles (this, plus the producer's `request.timeout.ms`, at
+    /// most 5 s unless set, plus 1 s). An output not acked within it stops
+    /// the pipeline with [`Error::Delivery`].
+    pub fn delivery_timeout(mut self, d: Duration) -> Self {
+        self.delivery_timeout = d;
+        self
+    }
+
+    /// Checks the configuration, opens the state, reaches the brokers and
+    /// subscribes. The broker probes and the state's recovery block, so
+    /// they run on tokio's blocking threads.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] (missing topics, an input that is also the output,
+    /// idempotence turned off, options out of bounds),
+    /// [`Error::Unreachable`], [`Error::UnknownTopic`], [`Error::Connect`],
+    /// [`Error::JobMismatch`], the state folder's open errors, and
+    /// [`Error::Kafka`].
+    pub async fn build(self) -> Result<GuardedPipeline> {
+        crate::kafka::setup::on_blocking_thread("building the pipeline", move || self.open()).await
+    }
+
+    /// The output topic, once the topics given make a pipeline.
+    fn checked_output(&self) -> Result<String> {
+        let output = self
+            .output
+            .clone()
+            .ok_or_else(|| Error::Config("no output topic given".into()))?;
+        if self.inputs.is_empty() {
+            return Err(Error::Config("no input topic given".into()));
+        }
+        if self.inputs.contains(&output) {
+            return Err(Error::Config(format!(
+                "topic {output:?} is both an input and the output: the pipeline would copy its own output into itself without end; write to another topic"
+            )));
+        }
+        Ok(output)
+    }
+
+    /// Completes the producer's configuration for this mode; returns how
+    /// long an output can stay in flight (zero when unbounded).
+    fn finish_producer_config(
+        &self,
+        cfg: &mut ClientConfig,
+        instance: &str,
+        fenced: bool,
+    ) -> Duration {
+        let in_flight = if fenced {
+            setup::bound_delivery(cfg, self.delivery_timeout)
+        } else {
+            Duration::ZERO
+        };
+        if self.mode == Mode::Transactional {
+            cfg.set("transactional.id", format!("{instance}-tx"));
+        }
+        cfg.set("linger.ms", cfg.get("linger.ms").unwrap_or("5").to_owned());
+        in_flight
+    }
+
+    fn open(self) -> Result<GuardedPipeline> {
+        let output = self.checked_output()?;
+        let o = &self.options;
+        o.validate()?;
+        let group = setup::group_id(&self.consumer)?;
+        let mut producer_cfg = setup::idempotent_producer_config(
+            &self
+                .producer
+                .clone()
+                .unwrap_or_else(|| setup::connection_config(&self.consumer)),
+        )?;
+        let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
+        topics.push(&output);
+        let counts = setup::probe_topics(&self.consumer, &topics, o.connect_attempts)?;
+        let out_partitions = counts.last().copied().unwrap_or(1);
+        let guard = o.open(&self.state)?;
+        let job = Job::new(JobKind::Pipeline, &group, &self.inputs, o.identity.label())
+            .with_output(&output);
+        crate::job::bind(&self.state, &job, o.rebind)?;
+        let instance = setup::instance_id(&self.state, &group, &self.inputs)?;
+        let token = setup::instance_token(&self.state)?;
+        let consumer_cfg =
+            setup::guarded_consumer_config(&self.consumer, &instance, o.stop_at_end)?;
+        let guarded = self.mode == Mode::Guarded;
+        let fenced = guarded && !setup::fault("no-fencing");
+        let in_flight = self.finish_producer_config(&mut producer_cfg, &instance, fenced);
+        let lease = o
+            .lease
+            .unwrap_or_else(|| setup::lease_length(&consumer_cfg));
+        let reconciler = match self.mode {
+            Mode::Guarded if self.reconcile => Some(Reconciler::new(
+                &setup::connection_config(&self.consumer),
+                &group,
+                &output,
+                out_partitions,
+                o.timeout,
+            )?),
+            _ => None,
+        };
+        let mut shared = Shared::new(guarded.then_some(guard));
+        shared.sink = Some(resumed_sink(
+            shared.guard.as_ref(),
+            &output,
+            &token,
+            in_flight,
+        ));
+        let shared = Arc::new(Mutex::new(shared));
+        let brokers = setup::brokers(&self.consumer);
+        let producer = Arc::new(start_producer(
+            &producer_cfg,
+            DeliveryContext {
+                shared: shared.clone(),
+                brokers: brokers.clone(),
+            },
+            self.mode == Mode::Transactional,
+            o.timeout,
+        )?);
+        let core = Arc::new(Core {
+            shared,
+            hooks: Box::new(PipelineHooks {
+                producer: producer.clone(),
+                reconciler,
+                transactional: self.mode == Mode::Transactional,
+                timeout: o.timeout,
+            }),
+            timeout: o.timeout,
+            brokers,
+            instance: token,
+            fenced,
+            lease: Lease::new(lease, fenced),
+        });
+        let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
+            consumer_cfg
+                .create_with_context(GuardContext { core: core.clone() })
+                .map_err(kafka("creating the consumer"))?,
+        );
+        let inputs: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
+        consumer.subscribe(&inputs).map_err(kafka("subscribing"))?;
+        let watchdog = core.lease.watch();
+        tracing::info!(inputs = ?self.inputs, %output, mode = ?self.mode, state = %self.state.display(), "pipeline started");
+        Ok(GuardedPipeline {
+            consumer,
+            _watchdog: watchdog,
+            producer,
+            core,
+            identity: self.options.identity.clone(),
+            output,
+            out_partitions: out_partitions as i32,
+            interval: self.options.checkpoint_interval,
+            stop_at_end: self.options.stop_at_end,
+            timeout: self.options.timeout,
+        })
+    }
+}
+
+/// The sink positions a pipeline starts from: they carry on from the last
+/// manifest (reconciliation advances them once it has read the output),
+/// written by this instance, not yet handed over cleanly.
+fn resumed_sink(
+    guard: Option<&Guard>,
+    output: &str,
+    token: &str,
+    in_flight: Duration,
+) -> SinkPositions {
+    let ends = guard
+        .and_then(Guard::manifest)
+        .and_then(|m| serde_json::from_slice::<SinkPositions>(&m.sink).ok())
+        .filter(|sink| sink.topic == output)
+        .map(|sink| sink.ends)
+        .unwrap_or_default();
+    SinkPositions {
+        topic: output.to_owned(),
+        ends,
+        instance: token.to_owned(),
+        clean: false,
+        in_flight_ms: in_flight.as_millis() as u64,
+    }
+}
+
+/// Creates the output producer; a transactional one has its first
+/// transaction begun.
+fn start_producer(
+    cfg: &ClientConfig,
+    context: DeliveryContext,
+    transactional: bool,
+    timeout: Duration,
+) -> Result<ThreadedProducer<DeliveryContext>> {
+    let producer: ThreadedProducer<DeliveryContext> = cfg
+        .create_with_context(context)
+        .map_err(kafka("creating the producer"))?;
+    if transactional {
+        producer
+            .init_transactions(timeout)
+            .map_err(kafka("initialising transactions"))?;
+        producer
+            .begin_transaction()
+            .map_err(kafka("beginning a transaction"))?;
+    }
+    Ok(producer)
+}
+
+/// Reads a pipeline's counters from another task; see
+/// [`GuardedPipeline::stats_handle`]. While it lives it keeps the
+/// pipeline's state open (and its folder locked), so drop it with the
+/// pipeline.
+#[derive(Clone)]
+pub struct StatsHandle {
+    core: Arc<Core>,
+}
+
+impl StatsHandle {
+    /// Counters so far.
+    #[must_use]
+    pub fn stats(&self) -> PipelineStats {
+        let s = self.core.lock();
+        PipelineStats {
+            records_in: s.counters.records_in,
+            duplicates: s.counters.duplicates,
+            outputs: s.counters.outputs,
+            checkpoints: s.counters.checkpoints,
+            guard: s.guard.as_ref().map(crate::Guard::stats),
+        }
+    }
+}
+
+/// Consumer, then a user function, then an idempotent producer: the outputs
+/// of every input appear exactly once (G1), visible as soon as acked.
+///
+/// Every output carries the headers [`super::FINGERPRINT_HEADER`] and
+/// [`super::SOURCE_HEADER`], which recovery reads back to close the window
+/// between an output's ack and its input's identity reaching disk.
+///
+/// The consumer and producer are not handed out: a seek, a commit or a
+/// write of one's own would move positions behind the guard's back.
+pub struct GuardedPipeline {
+    consumer: Arc<StreamConsumer<GuardContext>>,
+    /// Watches for stalls while the pipeline lives.
+    _watchdog: Option<Watchdog>,
+    producer: Arc<ThreadedProducer<DeliveryContext>>,
+    core: Arc<Core>,
+    identity: crate::Identity,
+    output: String,
+    out_partitions: i32,
+    interval: Duration,
+    stop_at_end: bool,
+    timeout: Duration,
+}
+
+impl GuardedPipeline {
+    /// Starts building a pipeline from the user's consumer configuration
+    /// (which must name `group.id` and `bootstrap.servers`) and a state
+    /// folder of its own.
+    pub fn builder(consumer: ClientConfig, state: impl AsRef<Path>) -> GuardedPipelineBuilder {
+        GuardedPipelineBuilder {
+            consumer,
+            producer: None,
+            state: state.as_ref().to_owned(),
+            inputs: Vec::new(),
+            output: None,
+            options: GuardOptions::default(),
+            delivery_timeout: Duration::from_secs(10),
+            mode: Mode::Guarded,
+            reconcile: true,
+        }
+    }
+
+    /// Counters so far.
+    #[must_use]
+    pub fn stats(&self) -> PipelineStats {
+        self.stats_handle().stats()
+    }
+
+    /// A handle that reads the counters while [`GuardedPipeline::run_until`]
+    /// holds the pipeline, for example for a progress display.
+    #[must_use]
+    pub fn stats_handle(&self) -> StatsHandle {
+        StatsHandle {
+            core: self.core.clone(),
+        }
+    }
+
+    /// The partitions assigned to this instance now.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the client cannot say.
+    pub fn assignment(&self) -> Result<Vec<(String, i32)>> {
+        let tpl = self
+            .consumer
+            .assignment()
+            .map_err(kafka("reading the assignment"))?;
+        Ok(super::context::partitions(&tpl))
+    }
+
+    /// Closes the Kafka clients and the state, waiting at most `timeout`:
+    /// closing a consumer can block for seconds. Run the pipeline to its
+    /// end first ([`GuardedPipeline::run_until`] takes a final checkpoint);
+    /// whatever was not checkpointed is recovered by the next run, as after
+    /// a crash.
+    ///
+    /// # Errors
+    /// [`Error::Stopped`] when closing takes longer than `timeout`; the
+    /// clients then go on closing in the background.
+    pub async fn close(self, timeout: Duration) -> Result<()> {
+        let GuardedPipeline {
+            consumer,
+            producer,
+            core,
+            _watchdog,
+            ..
+        } = self;
+        drop(_watchdog);
+        super::close_bounded(move || drop((consumer, producer, core)), timeout).await
+    }
+
+    /// Stops at once, as `kill -9` would: no flush, no checkpoint, no
+    /// commit, and identities not yet written to the store are lost. Outputs
+    /// already handed to the producer may or may not reach the broker. For
+    /// demonstrations and tests of recovery; a restart over the same state
+    /// folder recovers from the last durable state and the output.
+    #[cfg(feature = "baselines")]
+    pub fn abort(self) {
+        self.core.abort();
+        let GuardedPipeline {
+            consumer,
+            producer,
+            core,
+            ..
+        } = self;
+        // Dropping a consumer can block for seconds; do it off the caller.
+        std::thread::spawn(move || {
+            drop(consumer);
+            drop(producer);
+            drop(core);
+        });
+    }
+}

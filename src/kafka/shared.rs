@@ -1,0 +1,451 @@
+//! The state a guarded consumer or pipeline shares between its caller, its
+//! producer's delivery callbacks and its rebalance callbacks. It knows the
+//! engine and nothing of the Kafka client.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::guard::{Guard, LaneId, Probe};
+use crate::{Reason, Verdict};
+
+/// A topic partition.
+pub(crate) type Partition = (String, i32);
+
+/// A position to commit: topic, partition, next offset.
+pub(crate) type Position = (String, i32, i64);
+
+/// One input record not handled yet.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    /// Completions still awaited: outputs not acked, or the application's
+    /// ack.
+    pub remaining: u32,
+    pub fp: Option<Fingerprint>,
+    /// Its outputs were handed to the producer (a pipeline); until then it
+    /// is being processed.
+    pub dispatched: bool,
+}
+
+/// What the adapter knows of one input partition in this session.
+#[derive(Debug, Default)]
+pub(crate) struct Track {
+    pub lane: Option<LaneId>,
+    /// The next offset to admit; records below it were admitted (or were
+    /// below the start position) and are skipped. `None` until the first
+    /// record when the start position was not known.
+    pub next: Option<i64>,
+    /// Admitted but not yet handled (being processed, outputs not acked,
+    /// or not acked by the application).
+    pub inflight: BTreeMap<i64, Pending>,
+    /// The content identities of `inflight`: a resend that arrives before
+    /// its first copy is handled is a duplicate too.
+    pub inflight_fps: HashSet<Fingerprint>,
+}
+
+impl Track {
+    /// The position that may be committed: nothing before it is unhandled.
+    pub fn position(&self) -> Option<i64> {
+        self.inflight.keys().next().copied().or(self.next)
+    }
+}
+
+/// The sink positions stored in the manifest and in commit metadata: where
+/// output reconciliation starts, and who wrote them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SinkPositions {
+    /// Output topic.
+    #[serde(rename = "t")]
+    pub topic: String,
+    /// Output partition to the next offset after the last acked output.
+    #[serde(rename = "e")]
+    pub ends: BTreeMap<i32, i64>,
+    /// The instance that wrote it (its state folder's token).
+    #[serde(rename = "i", default)]
+    pub instance: String,
+    /// Written by a revoke that flushed and checkpointed: the next owner
+    /// need not wait for outputs in flight.
+    #[serde(rename = "c", default)]
+    pub clean: bool,
+    /// How long the writer's outputs can stay in flight, in milliseconds:
+    /// how long a new owner that got no clean handover waits.
+    #[serde(rename = "w", default)]
+    pub in_flight_ms: u64,
+}
+
+/// Counters shared across threads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub records_in: u64,
+    pub duplicates: u64,
+    /// Records handed to the application (a guarded consumer).
+    pub delivered: u64,
+    /// Records the application acked (a guarded consumer).
+    pub acked: u64,
+    /// Outputs acked by the broker (a pipeline).
+    pub outputs: u64,
+    pub checkpoints: u64,
+}
+
+/// Partitions whose previous owner (another instance) left without a clean
+/// handover: its outputs may be in flight until `until`. They stay paused,
+/// and any record of theirs is skipped, until then; then the output is
+/// reconciled and they resume from their start. The wait happens outside
+/// the rebalance callback, so that the member keeps taking part in its
+/// group meanwhile.
+#[derive(Debug)]
+pub(crate) struct Held {
+    pub until: Instant,
+    /// The previous owner, for logs.
+    pub from: String,
+    pub partitions: Vec<Partition>,
+    /// Where reconciliation starts, as on assign.
+    pub manifest: Option<SinkPositions>,
+    pub commits: Vec<SinkPositions>,
+}
+
+/// The failure that stopped the guard: the first is handed out as it is
+/// (so that [`Error::is_poisoning`] still holds after it crossed a
+/// callback), later calls get [`Error::Stopped`] naming it.
+#[derive(Debug, Default)]
+pub(crate) struct Failure {
+    first: Option<Error>,
+    reason: Option<String>,
+}
+
+/// One record offered for admission.
+pub(crate) struct Offered<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+    pub offset: i64,
+    pub fp: Option<Fingerprint>,
+}
+
+pub(crate) struct Shared {
+    pub guard: Option<Guard>,
+    pub tracks: HashMap<String, HashMap<i32, Track>>,
+    pub sink: Option<SinkPositions>,
+    failure: Failure,
+    pub counters: Counters,
+    /// Set by `abort`: callbacks then do nothing, as in a dead process.
+    pub aborted: bool,
+    /// Inputs of which reconciliation found some outputs but not all:
+    /// (topic, partition, offset) to the indices already written. Their
+    /// replay writes only the missing ones.
+    pub partial: HashMap<(String, i32, i64), BTreeSet<u32>>,
+    /// Partition numbers that reported end-of-partition with no record
+    /// since; the exact end check runs only when all assigned ones did.
+    pub at_eof: HashSet<i32>,
+    /// Partitions assigned but not recovered yet, see [`Held`].
+    pub held: Option<Held>,
+    /// Scratch space of [`Shared::admit`]'s batched checks.
+    probes: Vec<Probe>,
+    verdicts: Vec<Verdict>,
+}
+
+impl Shared {
+    /// Shared state around a guard (none in the baselines).
+    pub fn new(guard: Option<Guard>) -> Self {
+        Shared {
+            guard,
+            tracks: HashMap::new(),
+            sink: None,
+            failure: Failure::default(),
+            counters: Counters::default(),
+            aborted: false,
+            partial: HashMap::new(),
+            at_eof: HashSet::new(),
+            held: None,
+            probes: Vec::new(),
+            verdicts: Vec::new(),
+        }
+    }
+
+    pub fn track(&mut self, topic: &str, partition: i32) -> &mut Track {
+        if !self.tracks.contains_key(topic) {
+            self.tracks.insert(topic.to_owned(), HashMap::new());
+        }
+        self.tracks
+            .get_mut(topic)
+            .map(|m| m.entry(partition).or_default())
+            .unwrap_or_else(|| unreachable!("inserted above"))
+    }
+
+    pub fn lane(&mut self, topic: &str, partition: i32) -> Option<LaneId> {
+        if let Some(l) = self
+            .tracks
+            .get(topic)
+            .and_then(|m| m.get(&partition))
+            .and_then(|t| t.lane)
+        {
+            return Some(l);
+        }
+        let lane = self.guard.as_mut()?.lane(topic, partition);
+        self.track(topic, partition).lane = Some(lane);
+        Some(lane)
+    }
+
+    /// One output of the input at `offset` was acked (or, for a guarded
+    /// consumer, the application acked it). Records the input as handled
+    /// when it was the last.
+    pub fn complete(&mut self, topic: &str, partition: i32, offset: i64) -> Result<()> {
+        let Some(track) = self
+            .tracks
+            .get_mut(topic)
+            .and_then(|m| m.get_mut(&partition))
+        else {
+            return Ok(());
+        };
+        let Some(p) = track.inflight.get_mut(&offset) else {
+            return Ok(());
+        };
+        p.remaining = p.remaining.saturating_sub(1);
+        if p.remaining > 0 {
+            return Ok(());
+        }
+        let fp = p.fp;
+        track.inflight.remove(&offset);
+        if let Some(f) = fp {
+            track.inflight_fps.remove(&f);
+        }
+        let lane = track.lane;
+        if let (Some(guard), Some(lane)) = (self.guard.as_mut(), lane) {
+            guard.record(lane, Some(offset as u64), fp)?;
+        }
+        Ok(())
+    }
+
+    fn is_held(&self, topic: &str, partition: i32) -> bool {
+        self.held.as_ref().is_some_and(|h| {
+            h.partitions
+                .iter()
+                .any(|(t, p)| t == topic && *p == partition)
+        })
+    }
+
+    /// Admits received records, in order, appending one answer each to
+    /// `admitted`: `true` for a record to handle, which is then in flight
+    /// (its fingerprint too, so that a resend behind it is caught) until
+    /// [`Shared::complete`]; `false` for one to skip, because it is below
+    /// its partition's next offset (admitted already in this session), its
+    /// partition waits for a previous owner ([`Held`]), or it duplicates a
+    /// handled or in-flight record (counted). The engine is asked once for
+    /// the whole batch.
+    pub fn admit(&mut self, records: &[Offered<'_>], admitted: &mut Vec<bool>) -> Result<()> {
+        self.probes.clear();
+        let mut asked = Vec::with_capacity(records.len());
+        for r in records {
+            let lane = self.lane(r.topic, r.partition);
+            asked.push(lane.is_some());
+            if let Some(lane) = lane {
+                self.probes
+                    .push(Probe::new(lane, Some(r.offset as u64), r.fp));
+            }
+        }
+        let mut verdicts = std::mem::take(&mut self.verdicts);
+        verdicts.clear();
+        if let Some(g) = self.guard.as_mut()
+            && !self.probes.is_empty()
+        {
+            g.check_many(&self.probes, &mut verdicts)?;
+        }
+        let mut verdict = verdicts.iter();
+        for (r, asked) in records.iter().zip(asked) {
+            let v = if asked { verdict.next().copied() } else { None };
+            let ok = self.admit_one(r, v);
+            admitted.push(ok);
+        }
+        self.verdicts = verdicts;
+        Ok(())
+    }
+
+    /// One record of [`Shared::admit`], with the engine's verdict (taken
+    /// before any record of the batch was admitted).
+    fn admit_one(&mut self, r: &Offered<'_>, verdict: Option<Verdict>) -> bool {
+        if self.is_held(r.topic, r.partition) {
+            // Fetched before its pause took hold: read again once released.
+            return false;
+        }
+        self.counters.records_in += 1;
+        metrics::counter!("replayguard_records_in_total").increment(1);
+        self.at_eof.remove(&r.partition);
+        let t = self.track(r.topic, r.partition);
+        if t.next.is_some_and(|n| r.offset < n) {
+            return false;
+        }
+        t.next = Some(r.offset + 1);
+        let reason = if r.fp.is_some_and(|f| t.inflight_fps.contains(&f)) {
+            Some(Reason::SameContent)
+        } else {
+            match verdict {
+                Some(Verdict::Duplicate { reason, .. }) => Some(reason),
+                _ => None,
+            }
+        };
+        if let Some(reason) = reason {
+            self.counters.duplicates += 1;
+            let label = match reason {
+                Reason::SamePosition => "position",
+                Reason::SameContent => "content",
+            };
+            metrics::counter!("replayguard_duplicates_total", "reason" => label).increment(1);
+            return false;
+        }
+        // In flight from here: a checkpoint while it is processed does not
+        // move the position past it.
+        t.inflight.insert(
+            r.offset,
+            Pending {
+                remaining: 1,
+                fp: r.fp,
+                dispatched: false,
+            },
+        );
+        if let Some(f) = r.fp {
+            t.inflight_fps.insert(f);
+        }
+        true
+    }
+
+    /// Marks an admitted record's outputs handed to the producer, and how
+    /// many acks it waits for (at least one). `false` when it is no longer
+    /// in flight here: its partition left while it was processed, and the
+    /// new owner handles it; its outputs must then not be written.
+    pub fn dispatch(&mut self, topic: &str, partition: i32, offset: i64, outputs: u32) -> bool {
+        match self
+            .tracks
+            .get_mut(topic)
+            .and_then(|m| m.get_mut(&partition))
+            .and_then(|t| t.inflight.get_mut(&offset))
+        {
+            Some(p) => {
+                p.remaining = outputs.max(1);
+                p.dispatched = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Inputs whose outputs were handed to the producer and are not all
+    /// acked.
+    pub fn unacked(&self) -> usize {
+        self.tracks
+            .values()
+            .flat_map(|m| m.values())
+            .flat_map(|t| t.inflight.values())
+            .filter(|p| p.dispatched)
+            .count()
+    }
+
+    /// Outputs handed to the producer and not acked, among `partitions`.
+    pub fn unacked_of(&self, partitions: &[Partition]) -> usize {
+        partitions
+            .iter()
+            .filter_map(|(t, p)| self.tracks.get(t).and_then(|m| m.get(p)))
+            .flat_map(|t| t.inflight.values())
+            .filter(|p| p.dispatched)
+            .count()
+    }
+
+    /// Every partition's committable position.
+    pub fn positions(&self) -> Vec<(String, i32, i64, Option<LaneId>)> {
+        let mut out = Vec::new();
+        for (topic, parts) in &self.tracks {
+            for (p, t) in parts {
+                if let Some(pos) = t.position() {
+                    out.push((topic.clone(), *p, pos, t.lane));
+                }
+            }
+        }
+        out
+    }
+
+    /// Writes the manifest (with a guard) and returns the positions to
+    /// commit, of `only` these partitions when given, and the commit
+    /// metadata; `clean` marks a revoke that flushed every output first.
+    pub fn checkpoint(
+        &mut self,
+        only: Option<&[Partition]>,
+        clean: bool,
+    ) -> Result<(Vec<Position>, String)> {
+        let positions = self.positions();
+        let meta = self.commit_metadata(clean)?;
+        if let Some(guard) = self.guard.as_mut() {
+            let lanes: Vec<(LaneId, u64)> = positions
+                .iter()
+                .filter_map(|(_, _, pos, lane)| lane.map(|l| (l, *pos as u64)))
+                .collect();
+            guard.checkpoint(&lanes, meta.clone().into_bytes())?;
+        }
+        let commit = positions
+            .into_iter()
+            .filter(|(t, p, _, _)| only.is_none_or(|o| o.iter().any(|(ot, op)| ot == t && op == p)))
+            .map(|(t, p, pos, _)| (t, p, pos))
+            .collect();
+        self.counters.checkpoints += 1;
+        if let Some(g) = self.guard.as_ref() {
+            let st = g.stats();
+            metrics::gauge!("replayguard_live_fingerprints").set(st.live_fingerprints as f64);
+            metrics::gauge!("replayguard_live_epochs").set(st.live_epochs as f64);
+        }
+        Ok((commit, meta))
+    }
+
+    /// Forgets the tracks, and any hold, of partitions that left.
+    pub fn forget(&mut self, gone: &[Partition]) {
+        for (t, p) in gone {
+            if let Some(m) = self.tracks.get_mut(t) {
+                m.remove(p);
+            }
+        }
+        if let Some(h) = self.held.as_mut() {
+            h.partitions.retain(|tp| !gone.contains(tp));
+            if h.partitions.is_empty() {
+                self.held = None;
+            }
+        }
+    }
+
+    /// The commit metadata: the sink positions with who wrote them, and
+    /// whether this is a clean handover. Empty without a sink (a guarded
+    /// consumer).
+    pub fn commit_metadata(&mut self, clean: bool) -> Result<String> {
+        match self.sink.as_mut() {
+            Some(sink) => {
+                sink.clean = clean;
+                serde_json::to_string(sink).map_err(|source| Error::Encode {
+                    what: "the sink positions",
+                    source,
+                })
+            }
+            None => Ok(String::new()),
+        }
+    }
+
+    /// Stops the guard with `e`, unless it stopped already.
+    pub fn fail(&mut self, e: Error) {
+        if self.failure.reason.is_none() {
+            tracing::error!(error = %e, "replayguard stopped");
+            self.failure.reason = Some(e.to_string());
+            self.failure.first = Some(e);
+        }
+    }
+
+    /// Whether the guard stopped.
+    pub fn failed(&self) -> bool {
+        self.failure.reason.is_some()
+    }
+
+    /// The failure that stopped the guard: the first time the error itself,
+    /// later [`Error::Stopped`] naming it.
+    pub fn failure(&mut self) -> Option<Error> {
+        let reason = self.failure.reason.as_ref()?;
+        Some(self.failure.first.take().unwrap_or_else(|| Error::Stopped {
+            reason: format!("stopped after an earlier failure: {reason}"),
+        }))
+    }
+}
