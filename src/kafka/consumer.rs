@@ -203,7 +203,7 @@ impl GuardedConsumer {
     }
 
     /// The next fresh record; `None` at the end of the input with
-    /// `stop_at_end`. Duplicates are skipped and counted. Checkpoints run
+    /// `stop_at_end` (once per end: a later call reads what arrived since). Duplicates are skipped and counted. Checkpoints run
     /// here when the interval has passed.
     ///
     /// # Errors
@@ -225,7 +225,9 @@ impl GuardedConsumer {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .pop_front();
-            if ready.is_none() && self.ended.load(Ordering::Relaxed) {
+            // Once per end seen: a later call reads on, and ends again at
+            // the next end event.
+            if ready.is_none() && self.ended.swap(false, Ordering::Relaxed) {
                 return Ok(None);
             }
             if let Some(record) = ready {
