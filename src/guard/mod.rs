@@ -329,33 +329,59 @@ impl Guard {
             oldest,
             floor: oldest,
         };
-        for (id, name) in loaded.lanes {
-            if id as usize != guard.lanes.len() {
+        guard.restore_lanes(loaded.lanes)?;
+        let (floor, disk_counts) = guard.memory_floor()?;
+        guard.load_epochs(floor, &disk_counts)?;
+        // New chunks in the open epoch must not overwrite old ones.
+        guard.resume_sequences()?;
+        guard.stats.epoch = epoch;
+        guard.refresh_live();
+        guard.stats.last_recovery = started.elapsed();
+        tracing::info!(
+            path = %guard.store.path().display(),
+            epoch,
+            lanes = guard.lanes.len(),
+            live_fingerprints = guard.stats.live_fingerprints,
+            disk_fingerprints = guard.stats.disk_fingerprints,
+            ms = guard.stats.last_recovery.as_millis() as u64,
+            "replayguard state recovered"
+        );
+        Ok(guard)
+    }
+
+    /// The lane table and, from the manifest, each lane's position.
+    fn restore_lanes(&mut self, loaded: Vec<(u32, LaneName)>) -> Result<()> {
+        for (id, name) in loaded {
+            if id as usize != self.lanes.len() {
                 return Err(Error::Corrupt {
-                    path: guard.store.path().to_owned(),
-                    what: format!(
-                        "lane ids are not dense: found {id} at {}",
-                        guard.lanes.len()
-                    ),
+                    path: self.store.path().to_owned(),
+                    what: format!("lane ids are not dense: found {id} at {}", self.lanes.len()),
                 });
             }
-            guard.push_lane(name, true);
+            self.push_lane(name, true);
         }
-        if let Some(m) = guard.manifest.clone() {
+        if let Some(m) = self.manifest.clone() {
             for p in &m.positions {
-                let id = guard.lane(&p.lane.topic, p.lane.partition);
-                guard.lanes[id.0 as usize].position = Some(p.next_offset);
+                let id = self.lane(&p.lane.topic, p.lane.partition);
+                self.lanes[id.0 as usize].position = Some(p.next_offset);
             }
         }
-        // Which sealed epochs keep their hashes in memory: all, or under a
-        // budget the newest that fit (a first pass reads only the counts).
-        let mut disk_counts: Vec<u64> = vec![0; guard.lanes.len()];
-        let floor = match guard.cfg.max_memory_bytes {
+        Ok(())
+    }
+
+    /// Which sealed epochs keep their hashes in memory: all, or under a
+    /// budget the newest that fit (a first pass reads only the counts).
+    /// Returns the lowest epoch kept in memory, and each lane's count of
+    /// hashes below it.
+    fn memory_floor(&mut self) -> Result<(u64, Vec<u64>)> {
+        let (epoch, oldest) = (self.epoch, self.oldest);
+        let mut disk_counts: Vec<u64> = vec![0; self.lanes.len()];
+        let floor = match self.cfg.max_memory_bytes {
             None => oldest,
             Some(budget) => {
                 let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
                 let mut per_lane: Vec<(u64, u32, u64)> = Vec::new();
-                guard.store.count_hashes(oldest, |e, lane, n| {
+                self.store.count_hashes(oldest, |e, lane, n| {
                     *per_epoch.entry(e).or_default() += n;
                     per_lane.push((e, lane, n));
                 })?;
@@ -379,20 +405,29 @@ impl Guard {
             }
         };
         let floor = floor.max(epoch.saturating_sub(TAG_SPAN / 4)).min(epoch);
-        guard.floor = floor;
-        for (l, &n) in guard.lanes.iter_mut().zip(&disk_counts) {
+        Ok((floor, disk_counts))
+    }
+
+    /// Loads every live epoch's chunks: offsets and ids into the lanes'
+    /// bitmaps, hashes from `floor` on into memory, older ones into the
+    /// disk filter (and the on-disk index where it does not cover them
+    /// yet).
+    fn load_epochs(&mut self, floor: u64, disk_counts: &[u64]) -> Result<()> {
+        let (epoch, oldest) = (self.epoch, self.oldest);
+        self.floor = floor;
+        for (l, &n) in self.lanes.iter_mut().zip(disk_counts) {
             l.index = LaneIndex::new(epoch, oldest, floor);
             if floor > oldest {
                 l.index.disk_mut().filter = Some(DiskFilter::with_capacity(n * 3 / 2));
             }
         }
         // Epochs below the floor that the disk index does not cover yet.
-        let covered = guard.store.spilled()?.map_or(oldest, |s| s + 1).max(oldest);
-        let mut to_spill: Vec<Vec<(u128, u64)>> = vec![Vec::new(); guard.lanes.len()];
-        let mut in_memory: Vec<Vec<u128>> = vec![Vec::new(); guard.lanes.len()];
-        let path = guard.store.path().to_owned();
-        let lanes = &mut guard.lanes;
-        guard.store.load_chunks(oldest, |e, lane, chunk| {
+        let covered = self.store.spilled()?.map_or(oldest, |s| s + 1).max(oldest);
+        let mut to_spill: Vec<Vec<(u128, u64)>> = vec![Vec::new(); self.lanes.len()];
+        let mut in_memory: Vec<Vec<u128>> = vec![Vec::new(); self.lanes.len()];
+        let path = self.store.path().to_owned();
+        let lanes = &mut self.lanes;
+        self.store.load_chunks(oldest, |e, lane, chunk| {
             let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
                 path: path.clone(),
                 what: format!("a chunk names lane {lane}, which is not in the lane table"),
@@ -413,7 +448,7 @@ impl Guard {
             }
             Ok(())
         })?;
-        for (l, hashes) in guard.lanes.iter_mut().zip(in_memory) {
+        for (l, hashes) in self.lanes.iter_mut().zip(in_memory) {
             l.index.load_hashes(hashes);
             l.index.seal_loaded();
         }
@@ -426,23 +461,9 @@ impl Guard {
                 .iter()
                 .enumerate()
                 .flat_map(|(lane, v)| v.iter().map(move |&(k, e)| (lane as u32, k, e)));
-            guard.store.spill(entries, floor - 1)?;
+            self.store.spill(entries, floor - 1)?;
         }
-        // New chunks in the open epoch must not overwrite old ones.
-        guard.resume_sequences()?;
-        guard.stats.epoch = epoch;
-        guard.refresh_live();
-        guard.stats.last_recovery = started.elapsed();
-        tracing::info!(
-            path = %guard.store.path().display(),
-            epoch,
-            lanes = guard.lanes.len(),
-            live_fingerprints = guard.stats.live_fingerprints,
-            disk_fingerprints = guard.stats.disk_fingerprints,
-            ms = guard.stats.last_recovery.as_millis() as u64,
-            "replayguard state recovered"
-        );
-        Ok(guard)
+        Ok(())
     }
 
     /// Finds the next free chunk sequence of every lane in the open epoch.
@@ -918,48 +939,20 @@ impl Guard {
         let manifest = Manifest {
             format: FORMAT_VERSION,
             epoch: next,
-            positions: self
-                .lanes
-                .iter()
-                .enumerate()
-                .filter_map(|(id, l)| {
-                    let p = moved.remove(&(id as u32)).or(l.position)?;
-                    Some(LanePosition {
-                        lane: l.name.clone(),
-                        next_offset: p,
-                    })
-                })
-                .collect(),
+            positions: self.positions_after(&mut moved),
             sink,
-            epochs: epochs.clone(),
+            epochs,
             checkpointed_at_ms: now,
         };
         let r = self.write_pending(Some(&manifest), &carried);
         self.poison_on(r)?;
-        // The manifest is durable: from here on, state follows it.
-        for (lane, p) in positions {
-            self.lanes[lane.0 as usize].position = Some(*p);
-        }
-        self.epoch = next;
-        self.epochs = epochs;
-        self.manifest = Some(manifest);
-        self.oldest = self.oldest.max(keep_from);
-        self.floor = self.floor.max(self.oldest);
-        self.store.set_oldest_live(self.oldest);
-        for l in &mut self.lanes {
-            l.next_seq = 0;
-            // Drop first: an epoch closed and dropped at once (the default
-            // retention) is never packed.
-            if !dropped.is_empty() {
-                l.index.drop_before(keep_from);
-            }
-            l.index.close(next);
-        }
-        for (id, chunk) in &carried {
-            let l = &mut self.lanes[*id as usize];
-            l.index.merge_offsets(next, &chunk.offsets);
-            l.next_seq = 1;
-        }
+        self.advance(
+            positions,
+            manifest,
+            keep_from,
+            !dropped.is_empty(),
+            &carried,
+        );
         if !dropped.is_empty() {
             let r = self.store.drop_epochs_before(keep_from);
             self.poison_on(r)?;
@@ -982,6 +975,58 @@ impl Guard {
             dropped_epochs: dropped,
             duration,
         })
+    }
+
+    /// Every lane's position once the lanes in `moved` have moved.
+    fn positions_after(&self, moved: &mut HashMap<u32, u64>) -> Vec<LanePosition> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(id, l)| {
+                let p = moved.remove(&(id as u32)).or(l.position)?;
+                Some(LanePosition {
+                    lane: l.name.clone(),
+                    next_offset: p,
+                })
+            })
+            .collect()
+    }
+
+    /// With `manifest` durable, the state in memory follows it: positions,
+    /// the open epoch, the epochs dropped (below `keep_from`, when any
+    /// were) and the offsets carried into the new epoch.
+    fn advance(
+        &mut self,
+        positions: &[(LaneId, u64)],
+        manifest: Manifest,
+        keep_from: u64,
+        dropping: bool,
+        carried: &[(u32, Chunk)],
+    ) {
+        let next = manifest.epoch;
+        for (lane, p) in positions {
+            self.lanes[lane.0 as usize].position = Some(*p);
+        }
+        self.epoch = next;
+        self.epochs = manifest.epochs.clone();
+        self.manifest = Some(manifest);
+        self.oldest = self.oldest.max(keep_from);
+        self.floor = self.floor.max(self.oldest);
+        self.store.set_oldest_live(self.oldest);
+        for l in &mut self.lanes {
+            l.next_seq = 0;
+            // Drop first: an epoch closed and dropped at once (the default
+            // retention) is never packed.
+            if dropping {
+                l.index.drop_before(keep_from);
+            }
+            l.index.close(next);
+        }
+        for (id, chunk) in carried {
+            let l = &mut self.lanes[*id as usize];
+            l.index.merge_offsets(next, &chunk.offsets);
+            l.next_seq = 1;
+        }
     }
 
     /// Per lane, the offsets at or past its position (after this checkpoint)

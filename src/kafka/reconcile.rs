@@ -87,9 +87,36 @@ impl Reconciler {
         commits: &[SinkPositions],
     ) -> Result<u64> {
         let started = Instant::now();
-        let mut tpl = TopicPartitionList::new();
-        let mut targets: BTreeMap<i32, i64> = BTreeMap::new();
-        let mut scanned: BTreeMap<i32, i64> = BTreeMap::new();
+        let range = self.range(manifest, commits)?;
+        if range.targets.is_empty() {
+            self.advance_sink(core, &range.scanned);
+            return Ok(0);
+        }
+        let (mut found, parts) = self.read_range(core, &range)?;
+        found += settle_parts(core, parts)?;
+        tracing::info!(
+            topic = %self.topic,
+            identities = found,
+            ms = started.elapsed().as_millis() as u64,
+            "output reconciled"
+        );
+        metrics::counter!("replayguard_reconciled_identities_total").increment(found);
+        Ok(found)
+    }
+
+    /// What to read: each output partition from the lowest end any writer
+    /// recorded (or its start) to its high watermark. An output below a
+    /// recorded end was recreated: an error.
+    fn range(
+        &self,
+        manifest: Option<&SinkPositions>,
+        commits: &[SinkPositions],
+    ) -> Result<ReadRange> {
+        let mut range = ReadRange {
+            tpl: TopicPartitionList::new(),
+            targets: BTreeMap::new(),
+            scanned: BTreeMap::new(),
+        };
         for p in 0..self.partitions as i32 {
             let from = manifest
                 .into_iter()
@@ -115,19 +142,29 @@ impl Reconciler {
             }
             let from = from.unwrap_or(lo).max(lo);
             tracing::debug!(partition = p, from, lo, hi, "reconcile range");
-            scanned.insert(p, hi);
+            range.scanned.insert(p, hi);
             if from < hi {
-                tpl.add_partition_offset(&self.topic, p, Offset::Offset(from))
+                range
+                    .tpl
+                    .add_partition_offset(&self.topic, p, Offset::Offset(from))
                     .map_err(kafka("building the reconciliation assignment"))?;
-                targets.insert(p, hi);
+                range.targets.insert(p, hi);
             }
         }
-        if targets.is_empty() {
-            self.advance_sink(core, &scanned);
-            return Ok(0);
-        }
+        Ok(range)
+    }
+
+    /// Reads `range` and records each input whose single output it finds;
+    /// inputs with several outputs are gathered, to be decided once all is
+    /// read. Returns the inputs recorded, and those gathered.
+    fn read_range(
+        &self,
+        core: &Core,
+        range: &ReadRange,
+    ) -> Result<(u64, HashMap<InputKey, PartsSeen>)> {
+        let mut targets = range.targets.clone();
         self.reader
-            .assign(&tpl)
+            .assign(&range.tpl)
             .map_err(kafka("assigning output partitions for reconciliation"))?;
         let mut found = 0u64;
         let mut parts: HashMap<InputKey, PartsSeen> = HashMap::new();
@@ -149,7 +186,6 @@ impl Reconciler {
             last_progress = Instant::now();
             if let Some(h) = read_guard_headers(m.headers()) {
                 if h.part.1 > 1 {
-                    // Decided once every output partition is read.
                     let key = (h.src.topic.clone(), h.src.partition, h.src.offset);
                     let e = parts
                         .entry(key)
@@ -169,35 +205,46 @@ impl Reconciler {
         self.reader
             .unassign()
             .map_err(kafka("releasing the reconciliation reader"))?;
-        for ((topic, partition, offset), (count, seen, fp)) in parts {
-            if seen.len() as u32 >= count {
-                let src = SourcePosition {
-                    topic,
-                    partition,
-                    offset,
-                };
-                if record(core, &src, fp)? {
-                    found += 1;
-                }
-            } else {
-                tracing::warn!(
-                    input = %format!("{topic}[{partition}]@{offset}"),
-                    written = seen.len(),
-                    count,
-                    "an input's outputs were cut short by a crash; its replay writes only the missing ones"
-                );
-                core.lock().partial.insert((topic, partition, offset), seen);
-            }
-        }
-        tracing::info!(
-            topic = %self.topic,
-            identities = found,
-            ms = started.elapsed().as_millis() as u64,
-            "output reconciled"
-        );
-        metrics::counter!("replayguard_reconciled_identities_total").increment(found);
-        Ok(found)
+        Ok((found, parts))
     }
+}
+
+/// The output partitions a reconciliation reads.
+struct ReadRange {
+    tpl: TopicPartitionList,
+    /// Partition to the high watermark to read up to.
+    targets: BTreeMap<i32, i64>,
+    /// Every partition's high watermark, read or not.
+    scanned: BTreeMap<i32, i64>,
+}
+
+/// Decides the inputs with several outputs: one whose outputs were all
+/// found is handled; one cut short by a crash keeps the parts written, so
+/// that its replay writes only the missing ones. Returns the inputs
+/// recorded.
+fn settle_parts(core: &Core, parts: HashMap<InputKey, PartsSeen>) -> Result<u64> {
+    let mut found = 0;
+    for ((topic, partition, offset), (count, seen, fp)) in parts {
+        if seen.len() as u32 >= count {
+            let src = SourcePosition {
+                topic,
+                partition,
+                offset,
+            };
+            if record(core, &src, fp)? {
+                found += 1;
+            }
+        } else {
+            tracing::warn!(
+                input = %format!("{topic}[{partition}]@{offset}"),
+                written = seen.len(),
+                count,
+                "an input's outputs were cut short by a crash; its replay writes only the missing ones"
+            );
+            core.lock().partial.insert((topic, partition, offset), seen);
+        }
+    }
+    Ok(found)
 }
 
 /// Records an input found in the output as handled; true when it was new.

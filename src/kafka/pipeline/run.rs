@@ -248,27 +248,9 @@ impl GuardedPipeline {
     async fn dispatch(&self, input: &Input, outputs: Vec<OutputRecord>) -> Result<()> {
         let (topic, partition, offset) = (&*input.topic, input.partition, input.offset);
         let count = outputs.len() as u32;
-        let mut outputs: Vec<(u32, OutputRecord)> = (0..count).zip(outputs).collect();
-        {
-            let mut s = self.core.lock();
-            if !s.partial.is_empty()
-                && let Some(written) = s.partial.remove(&(topic.to_owned(), partition, offset))
-            {
-                // The function must be deterministic for this to hold: the
-                // same input gives the same outputs in the same order.
-                outputs.retain(|(i, _)| !written.contains(i));
-            }
-            if !s.dispatch(topic, partition, offset, outputs.len() as u32) {
-                // Its partition left while it was processed: its new owner
-                // writes its outputs.
-                return Ok(());
-            }
-            if outputs.is_empty() {
-                let r = s.complete(topic, partition, offset);
-                drop(s);
-                return r.map_err(|e| self.core.stop(e));
-            }
-        }
+        let Some(outputs) = self.to_send(input, outputs)? else {
+            return Ok(());
+        };
         // Not a single output more once this instance may have lost its
         // partitions.
         self.core.check_lease(&*self.consumer)?;
@@ -286,24 +268,7 @@ impl GuardedPipeline {
                 &src,
                 fp.as_ref().map(|b| &b[..]),
             );
-            let ticket = Box::new(Ticket {
-                topic: input.topic.clone(),
-                partition,
-                offset,
-            });
-            let mut record: BaseRecord<'_, [u8], [u8], Box<Ticket>> =
-                BaseRecord::with_opaque_to(&self.output, ticket).headers(headers);
-            if let Some(k) = &out.key {
-                record = record.key(&k[..]);
-            }
-            if let Some(v) = &out.value {
-                record = record.payload(&v[..]);
-            }
-            match out.partition {
-                Some(p) => record = record.partition(p),
-                None if partition < self.out_partitions => record = record.partition(partition),
-                None => {}
-            }
+            let mut record = self.record_of(input, &out, headers);
             loop {
                 match self.producer.send(record) {
                     Ok(()) => break,
@@ -333,6 +298,68 @@ impl GuardedPipeline {
         // thawed, say) shows here: the outputs just queued are purged
         // before librdkafka's linger lets them go.
         self.core.check_lease(&*self.consumer)
+    }
+
+    /// The outputs of `input` still to send, numbered among all of its
+    /// outputs: those a crash cut short are left out. `None` when nothing
+    /// is to be sent: its partition left while it was processed (its new
+    /// owner writes them), or it had no output left (it is then handled).
+    fn to_send(
+        &self,
+        input: &Input,
+        outputs: Vec<OutputRecord>,
+    ) -> Result<Option<Vec<(u32, OutputRecord)>>> {
+        let (topic, partition, offset) = (&*input.topic, input.partition, input.offset);
+        let mut outputs: Vec<(u32, OutputRecord)> = (0..).zip(outputs).collect();
+        let mut s = self.core.lock();
+        if !s.partial.is_empty()
+            && let Some(written) = s.partial.remove(&(topic.to_owned(), partition, offset))
+        {
+            // The function must be deterministic for this to hold: the
+            // same input gives the same outputs in the same order.
+            outputs.retain(|(i, _)| !written.contains(i));
+        }
+        if !s.dispatch(topic, partition, offset, outputs.len() as u32) {
+            return Ok(None);
+        }
+        if outputs.is_empty() {
+            let r = s.complete(topic, partition, offset);
+            drop(s);
+            return r.map(|()| None).map_err(|e| self.core.stop(e));
+        }
+        Ok(Some(outputs))
+    }
+
+    /// The producer record of one output of `input`, with its headers; an
+    /// output with no partition of its own goes to its input's partition
+    /// number when the output has that many.
+    fn record_of<'a>(
+        &'a self,
+        input: &Input,
+        out: &'a OutputRecord,
+        headers: rdkafka::message::OwnedHeaders,
+    ) -> BaseRecord<'a, [u8], [u8], Box<Ticket>> {
+        let ticket = Box::new(Ticket {
+            topic: input.topic.clone(),
+            partition: input.partition,
+            offset: input.offset,
+        });
+        let mut record: BaseRecord<'_, [u8], [u8], Box<Ticket>> =
+            BaseRecord::with_opaque_to(&self.output, ticket).headers(headers);
+        if let Some(k) = &out.key {
+            record = record.key(&k[..]);
+        }
+        if let Some(v) = &out.value {
+            record = record.payload(&v[..]);
+        }
+        match out.partition {
+            Some(p) => record = record.partition(p),
+            None if input.partition < self.out_partitions => {
+                record = record.partition(input.partition);
+            }
+            None => {}
+        }
+        record
     }
 
     fn check_failure(&self) -> Result<()> {
