@@ -9,7 +9,7 @@
 //! ```
 //!
 //! `REPLAYGUARD_BENCH_QUICK=1` also selects the smoke run,
-//! `REPLAYGUARD_BENCH_ONLY=throughput,latency,recovery,retention` runs only
+//! `REPLAYGUARD_BENCH_ONLY=throughput,latency,recovery,retention,concurrency` runs only
 //! the sections named, and `REPLAYGUARD_BENCH_REPS=N` repeats each
 //! measurement N times (default 3, quick 1).
 //!
@@ -28,7 +28,10 @@
 //!   10M live fingerprints: the engine's reopen, and the restarted
 //!   pipeline's time to its first output;
 //! - **retention** cost: throughput and memory with 0, 1, 4 and 16
-//!   retained epochs, for the engine alone and for the guarded pipeline.
+//!   retained epochs, for the engine alone and for the guarded pipeline;
+//! - **concurrency**: the guarded pipeline copying through an async
+//!   function that waits 1 ms per record (a call to another service), one
+//!   record at a time (`run`) and 8 or 64 at a time (`run_concurrent`).
 //!
 //! It writes `$CARGO_TARGET_DIR/bench/pipeline.json` (default
 //! `target/bench/`) and two SVG pictures beside it; a full run of every
@@ -94,6 +97,9 @@ struct Plan {
     retention_epochs: Vec<u32>,
     engine_epoch_records: u64,
     retention_interval_s: f64,
+    /// Concurrency: inputs copied per run, and records at a time.
+    concurrency_records: u64,
+    concurrency_levels: Vec<usize>,
     sections: Vec<String>,
 }
 
@@ -116,6 +122,8 @@ impl Plan {
                 retention_epochs: vec![0, 4],
                 engine_epoch_records: 100_000,
                 retention_interval_s: 0.1,
+                concurrency_records: 2_000,
+                concurrency_levels: vec![1, 8, 64],
                 sections,
             }
         } else {
@@ -135,6 +143,8 @@ impl Plan {
                 retention_epochs: vec![0, 1, 4, 16],
                 engine_epoch_records: 1_000_000,
                 retention_interval_s: 0.1,
+                concurrency_records: 20_000,
+                concurrency_levels: vec![1, 8, 64],
                 sections,
             }
         }
@@ -145,7 +155,13 @@ impl Plan {
     }
 }
 
-const SECTIONS: [&str; 4] = ["throughput", "latency", "recovery", "retention"];
+const SECTIONS: [&str; 5] = [
+    "throughput",
+    "latency",
+    "recovery",
+    "retention",
+    "concurrency",
+];
 const MODES: [Mode; 3] = [Mode::Guarded, Mode::AtLeastOnce, Mode::Transactional];
 
 fn mode_name(m: Mode) -> &'static str {
@@ -252,6 +268,15 @@ struct ThroughputRow {
 }
 
 #[derive(Debug, Serialize)]
+struct ConcurrencyRow {
+    concurrency: usize,
+    records_per_s: Spread,
+    /// Records/s over the one-at-a-time run of the same repetition.
+    over_one_at_a_time: Spread,
+    runs: Vec<ThroughputRun>,
+}
+
+#[derive(Debug, Serialize)]
 struct RatioRow {
     broker: BrokerKind,
     /// Guarded / at-least-once records/s, paired by repetition.
@@ -318,6 +343,7 @@ struct Summary {
     latency: Vec<LatencyRow>,
     recovery: Vec<RecoveryRow>,
     retention: Vec<RetentionRow>,
+    concurrency: Vec<ConcurrencyRow>,
     targets: Vec<Target>,
 }
 
@@ -392,6 +418,7 @@ fn run(plan: Plan) -> BenchResult {
         latency: Vec::new(),
         recovery: Vec::new(),
         retention: Vec::new(),
+        concurrency: Vec::new(),
         targets: Vec::new(),
     };
     if plan.runs("throughput") {
@@ -409,6 +436,10 @@ fn run(plan: Plan) -> BenchResult {
     if plan.runs("retention") {
         summary.machine.note_load("retention");
         retention(&rt, &plan, &mut summary)?;
+    }
+    if plan.runs("concurrency") {
+        summary.machine.note_load("concurrency");
+        concurrency(&rt, &plan, &mut summary)?;
     }
     summary.machine.note_load("end");
     summary.targets = targets(&summary);
@@ -489,6 +520,51 @@ fn throughput(rt: &tokio::runtime::Runtime, plan: &Plan, summary: &mut Summary) 
                 runs: these,
             });
         }
+    }
+    Ok(())
+}
+
+/// The guarded pipeline through a function that waits 1 ms per record, at
+/// each concurrency level, levels rotated between repetitions.
+fn concurrency(rt: &tokio::runtime::Runtime, plan: &Plan, summary: &mut Summary) -> BenchResult {
+    let levels = &plan.concurrency_levels;
+    let mut runs: Vec<Vec<ThroughputRun>> = vec![Vec::new(); levels.len()];
+    for rep in 0..plan.reps {
+        for k in 0..levels.len() {
+            let i = (k + rep) % levels.len();
+            let r = scenarios::concurrent(
+                rt,
+                &CopySpec {
+                    broker: BrokerKind::InProcess,
+                    mode: Mode::Guarded,
+                    records: plan.concurrency_records,
+                    partitions: 4,
+                    interval: Duration::from_secs(1),
+                    retention_epochs: 0,
+                },
+                levels[i],
+                Duration::from_millis(1),
+            )?;
+            println!(
+                "concurrency {:>3} at a time, 1 ms each, rep {rep}: {:>8.0} records/s ({} in, {} out, {:.2} s)",
+                levels[i], r.records_per_s, r.records, r.outputs, r.seconds
+            );
+            runs[i].push(r);
+        }
+    }
+    let rate = |i: usize| -> Vec<f64> { runs[i].iter().map(|r| r.records_per_s).collect() };
+    let one = levels.iter().position(|&n| n == 1);
+    for (i, &n) in levels.iter().enumerate() {
+        let over: Vec<f64> = match one {
+            Some(o) => rate(i).iter().zip(rate(o)).map(|(r, b)| r / b).collect(),
+            None => Vec::new(),
+        };
+        summary.concurrency.push(ConcurrencyRow {
+            concurrency: n,
+            records_per_s: Spread::of(&rate(i)),
+            over_one_at_a_time: Spread::of(&over),
+            runs: runs[i].clone(),
+        });
     }
     Ok(())
 }

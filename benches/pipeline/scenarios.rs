@@ -92,16 +92,11 @@ fn copier(first: Arc<OnceLock<Instant>>, calls: Arc<AtomicU64>) -> CopyFn {
     })
 }
 
-/// Drops `value` on a thread of its own and waits at most `limit`: dropping
-/// a librdkafka consumer of the mock has been seen to block for minutes.
-fn drop_bounded<T: Send + 'static>(value: T, limit: Duration) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        drop(value);
-        let _ = tx.send(());
-    });
-    if rx.recv_timeout(limit).is_err() {
-        eprintln!("  (a client took more than {limit:?} to close; left behind)");
+/// Closes a pipeline within 30 s: closing a librdkafka consumer of the
+/// mock has been seen to block for minutes.
+fn close(rt: &Runtime, p: GuardedPipeline) {
+    if let Err(e) = rt.block_on(p.close(Duration::from_secs(30))) {
+        eprintln!("  ({e}; left behind)");
     }
 }
 
@@ -149,6 +144,27 @@ pub struct CopySpec {
 /// Produces `records` inputs, then copies them with one pipeline to the end
 /// of the input.
 pub fn throughput(rt: &Runtime, spec: &CopySpec) -> BenchResult<ThroughputRun> {
+    copy_run(rt, spec, 1, Duration::ZERO)
+}
+
+/// As [`throughput`], with a user function that waits `work` per record
+/// (standing for a call to another service), `concurrency` records at a
+/// time.
+pub fn concurrent(
+    rt: &Runtime,
+    spec: &CopySpec,
+    concurrency: usize,
+    work: Duration,
+) -> BenchResult<ThroughputRun> {
+    copy_run(rt, spec, concurrency, work)
+}
+
+fn copy_run(
+    rt: &Runtime,
+    spec: &CopySpec,
+    concurrency: usize,
+    work: Duration,
+) -> BenchResult<ThroughputRun> {
     let broker = Broker::start(
         spec.broker,
         &[(INPUT, spec.partitions), (OUTPUT, spec.partitions)],
@@ -172,7 +188,7 @@ pub fn throughput(rt: &Runtime, spec: &CopySpec) -> BenchResult<ThroughputRun> {
     let mut p = rt.block_on(spec.mode.apply(builder).build())?;
     let first = Arc::new(OnceLock::new());
     let calls = Arc::new(AtomicU64::new(0));
-    let f = copier(first.clone(), calls.clone());
+    let copy = copier(first.clone(), calls.clone());
     let handle = p.stats_handle();
     let mut live_max = 0u64;
     let stats = rt.block_on(async {
@@ -196,9 +212,24 @@ pub fn throughput(rt: &Runtime, spec: &CopySpec) -> BenchResult<ThroughputRun> {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         };
-        tokio::select! {
-            r = p.run_until(f, all_in) => r,
-            () = sample => unreachable!("the sampler never ends"),
+        if work.is_zero() {
+            tokio::select! {
+                r = p.run_concurrent_until(concurrency, copy, all_in) => r,
+                () = sample => unreachable!("the sampler never ends"),
+            }
+        } else {
+            let mut copy = copy;
+            let waiting = move |m: OwnedMessage| {
+                let out = copy(m);
+                async move {
+                    tokio::time::sleep(work).await;
+                    out.await
+                }
+            };
+            tokio::select! {
+                r = p.run_concurrent_until(concurrency, waiting, all_in) => r,
+                () = sample => unreachable!("the sampler never ends"),
+            }
         }
     })?;
     let ended = Instant::now();
@@ -208,7 +239,7 @@ pub fn throughput(rt: &Runtime, spec: &CopySpec) -> BenchResult<ThroughputRun> {
         .ok_or("the pipeline never called the user function")?;
     let seconds = secs(ended - first);
     let guard = stats.guard.clone().unwrap_or_default();
-    drop_bounded(p, Duration::from_secs(30));
+    close(rt, p);
     drop(broker);
     Ok(ThroughputRun {
         records: stats.records_in,
@@ -413,7 +444,7 @@ pub fn latency(rt: &Runtime, spec: &RateSpec) -> BenchResult<LatencyRun> {
     let (run, window) = rt.block_on(async { tokio::join!(p.run_until(f, stop), control) });
     let stopped = paced.stop();
     let checkpoints = watch.finish();
-    drop_bounded(p, Duration::from_secs(30));
+    close(rt, p);
     run?;
     let input_queue_full = stopped?;
     let (lo, hi) = window?;
