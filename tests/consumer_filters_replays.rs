@@ -67,7 +67,7 @@ async fn acked_records_are_not_delivered_again_after_a_crash() -> TestResult {
         "the replay of 1..=20 is filtered: {:?}",
         c.stats()
     );
-    replayguard_testkit::drop_off_runtime(c);
+    c.close(Duration::from_secs(30)).await?;
     Ok(())
 }
 
@@ -86,7 +86,7 @@ async fn upstream_resends_are_filtered_within_the_retention() -> TestResult {
     expected.extend([41, 46, 42, 43, 44, 45]);
     assert_eq!(got, expected, "each value once, in first-seen order");
     assert_eq!(c.stats().duplicates, 10);
-    replayguard_testkit::drop_off_runtime(c);
+    c.close(Duration::from_secs(30)).await?;
     Ok(())
 }
 
@@ -117,7 +117,7 @@ async fn resends_pass_once_their_epoch_left_the_retention() -> TestResult {
                 "retention {retention}: the resend is filtered, got {again:?}"
             );
         }
-        replayguard_testkit::drop_off_runtime(c);
+        c.close(Duration::from_secs(30)).await?;
     }
     Ok(())
 }
@@ -145,7 +145,7 @@ async fn custom_identity_filters_by_business_id() -> TestResult {
     assert_eq!(read(&c, usize::MAX).await?, vec![5, 6, 7]);
     let stats = c.stats().guard.ok_or("guarded consumer has engine stats")?;
     assert_eq!(stats.duplicates_same_content, 2);
-    replayguard_testkit::drop_off_runtime(c);
+    c.close(Duration::from_secs(30)).await?;
     Ok(())
 }
 
@@ -161,6 +161,6 @@ async fn a_resend_of_an_unacked_record_is_not_delivered_alongside_it() -> TestRe
     assert_eq!((value(&first)?, value(&second)?), (7, 8));
     c.ack_many(&[first, second])?;
     assert!(c.recv().await?.is_none());
-    replayguard_testkit::drop_off_runtime(c);
+    c.close(Duration::from_secs(30)).await?;
     Ok(())
 }

@@ -101,7 +101,7 @@ async fn partitions_moving_between_instances_keep_output_exactly_once() -> TestR
     let _ = stop_tx.send(());
     let (b, r) = task_b.await?;
     r?;
-    replayguard_testkit::drop_off_runtime(b);
+    b.close(Duration::from_secs(30)).await?;
 
     let out = broker.values("out", 3)?;
     let (dups, missing) = dups_and_missing(&out, 1..=N);

@@ -49,8 +49,7 @@ pub use check::{base64_decode, check_each_once, check_increasing, dups_and_missi
 pub use kafka::{KafkaBroker, KafkaOptions};
 pub use mock::{InProcessBroker, MockBroker};
 pub use process::{
-    Frozen, drop_bounded, drop_off_runtime, lines_of, process_alive, run_bounded, send_signal,
-    wait_bounded,
+    Frozen, drop_bounded, lines_of, process_alive, run_bounded, send_signal, wait_bounded,
 };
 pub use produce::{
     NewRecord, TestProducer, WriteOptions, end_offsets, produce, produce_integers, write_with,

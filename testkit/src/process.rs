@@ -183,9 +183,3 @@ impl Drop for Frozen {
         let _ = send_signal(self.0, "CONT");
     }
 }
-
-/// Drops `value` on a thread of its own without waiting: dropping a
-/// consumer of the mock cluster can block for seconds.
-pub fn drop_off_runtime<T: Send + 'static>(value: T) {
-    thread::spawn(move || drop(value));
-}
