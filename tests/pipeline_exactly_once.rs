@@ -24,6 +24,19 @@ async fn run_once(
     reconcile: bool,
     crash_after: Option<u64>,
 ) -> TestResult<u64> {
+    run_concurrently(broker, state, baseline, reconcile, crash_after, 1).await
+}
+
+/// As [`run_once`], with up to `concurrency` inputs processed at a time;
+/// each waits a time of its own, so they finish out of order.
+async fn run_concurrently(
+    broker: &Broker,
+    state: &Path,
+    baseline: Option<Baseline>,
+    reconcile: bool,
+    crash_after: Option<u64>,
+    concurrency: usize,
+) -> TestResult<u64> {
     let mut builder = GuardedPipeline::builder(broker.consumer_config("copy"), state)
         .input("in")
         .output("out")
@@ -42,15 +55,21 @@ async fn run_once(
     let f = move |m: rdkafka::message::OwnedMessage| {
         let counter = counter.clone();
         async move {
-            counter.fetch_add(1, Ordering::SeqCst);
-            // Slow enough that a crash lands between checkpoints.
-            tokio::time::sleep(Duration::from_micros(500)).await;
+            let n = counter.fetch_add(1, Ordering::SeqCst);
+            // Slow enough that a crash lands between checkpoints; uneven,
+            // so that concurrent inputs finish out of order.
+            let wait = if concurrency > 1 {
+                100 + (n * 7919) % 2000
+            } else {
+                500
+            };
+            tokio::time::sleep(Duration::from_micros(wait)).await;
             Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)])
         }
     };
     match crash_after {
         None => {
-            p.run(f).await?;
+            p.run_concurrent(concurrency, f).await?;
         }
         Some(n) => {
             let watch = seen.clone();
@@ -60,7 +79,7 @@ async fn run_once(
                 }
             };
             tokio::select! {
-                r = p.run(f) => { r?; }
+                r = p.run_concurrent(concurrency, f) => { r?; }
                 () = crash => {}
             }
         }
@@ -70,7 +89,7 @@ async fn run_once(
         // A crash: nothing is flushed or checkpointed on the way out.
         p.abort();
     } else {
-        tokio::task::spawn_blocking(move || drop(p)).await?;
+        p.close(Duration::from_secs(30)).await?;
     }
     Ok(n)
 }
@@ -105,6 +124,50 @@ async fn guarded_pipeline_writes_each_input_once_across_crashes() -> TestResult 
         (1..=2000).collect::<Vec<_>>(),
         "one partition keeps input order"
     );
+    Ok(())
+}
+
+/// Sixteen inputs at a time, finishing out of order, across crashes: each
+/// input still appears once, and each partition's outputs keep its input
+/// order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_processing_writes_each_input_once_in_partition_order_across_crashes()
+-> TestResult {
+    const PARTITIONS: i32 = 3;
+    let broker = Broker::start(&[("in", PARTITIONS), ("out", PARTITIONS)])?;
+    let input: Vec<u64> = (1..=3000).collect();
+    broker.produce("in", &input, PARTITIONS).await?;
+    let dir = tempfile::tempdir()?;
+    for crash_after in [500, 700, 900] {
+        run_concurrently(&broker, dir.path(), None, true, Some(crash_after), 16).await?;
+    }
+    run_concurrently(&broker, dir.path(), None, true, None, 16).await?;
+    let out = broker.read_all("out", PARTITIONS)?;
+    let values: Vec<u64> = out
+        .iter()
+        .map(|(_, v, _)| v.parse::<u64>())
+        .collect::<Result<_, _>>()?;
+    let (dups, missing) = dups_and_missing(&values, 1..=3000);
+    assert!(dups.is_empty(), "duplicates in the output: {dups:?}");
+    assert!(
+        missing.is_empty(),
+        "inputs missing from the output: {missing:?}"
+    );
+    // Input i went to partition (i - 1) % 3 in increasing order; the
+    // output copies each input to its own partition number.
+    for p in 0..PARTITIONS {
+        let got: Vec<u64> = out
+            .iter()
+            .filter(|(q, _, _)| *q == p)
+            .map(|(_, v, _)| v.parse::<u64>())
+            .collect::<Result<_, _>>()?;
+        let want: Vec<u64> = input
+            .iter()
+            .copied()
+            .filter(|i| ((i - 1) % PARTITIONS as u64) as i32 == p)
+            .collect();
+        assert_eq!(got, want, "partition {p} keeps its input order");
+    }
     Ok(())
 }
 
