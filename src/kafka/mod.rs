@@ -86,6 +86,7 @@ mod pipeline;
 mod reconcile;
 mod setup;
 mod shared;
+mod telemetry;
 mod trouble;
 
 pub use consumer::{ConsumerStats, GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
@@ -94,6 +95,7 @@ pub use headers::{FINGERPRINT_HEADER, PART_HEADER, SOURCE_HEADER, SourcePosition
 pub use options::GuardOptions;
 pub use pipeline::output::OutputRecord;
 pub use pipeline::{GuardedPipeline, GuardedPipelineBuilder, PipelineStats, StatsHandle};
+pub use telemetry::describe_metrics;
 
 use rdkafka::message::{Headers, Message};
 

@@ -181,7 +181,9 @@ impl Reconciler {
                 }
             } else {
                 tracing::warn!(
-                    input = %format!("{topic}[{partition}]@{offset}"),
+                    topic = %topic,
+                    partition,
+                    offset,
                     written = seen.len(),
                     count,
                     "an input's outputs were cut short by a crash; its replay writes only the missing ones"
