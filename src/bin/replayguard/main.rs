@@ -68,6 +68,18 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
+/// The final error line with `--log-format json`, its fields in the order
+/// of the log lines before it.
+#[derive(serde::Serialize)]
+struct ErrorLine<'a> {
+    timestamp: String,
+    level: &'static str,
+    message: &'a str,
+    error_kind: &'static str,
+    exit_status: u8,
+    target: &'static str,
+}
+
 /// Prints the one error line and returns the exit status. With JSON logs
 /// the line is a JSON object like the log lines before it.
 fn report(failure: &Failure, format: LogFormat) -> ExitCode {
@@ -75,15 +87,15 @@ fn report(failure: &Failure, format: LogFormat) -> ExitCode {
     let message = failure.message.replace(['\n', '\r'], " ");
     let line = match format {
         LogFormat::Text => format!("replayguard: error: {message}"),
-        LogFormat::Json => serde_json::json!({
-            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
-            "level": "ERROR",
-            "target": "replayguard",
-            "message": message,
-            "error_kind": failure.kind,
-            "exit_status": failure.code,
+        LogFormat::Json => serde_json::to_string(&ErrorLine {
+            timestamp: humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            level: "ERROR",
+            message: &message,
+            error_kind: failure.kind,
+            exit_status: failure.code,
+            target: "replayguard",
         })
-        .to_string(),
+        .unwrap_or_else(|_| format!("replayguard: error: {message}")),
     };
     // Nothing more can be done when stderr itself is closed.
     let _ = writeln!(std::io::stderr(), "{line}");
