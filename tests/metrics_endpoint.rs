@@ -341,3 +341,49 @@ fn json_logs_are_one_object_a_line() -> TestResult {
     );
     Ok(())
 }
+
+/// `consume` serves the same endpoint: its counters and lag, and health.
+#[test]
+fn consume_serves_metrics_and_health_too() -> TestResult {
+    let broker = MockBroker::start(&[("events", 1)])?;
+    produce_integers(broker.bootstrap(), "events", 1..=300)?;
+    // The same 50 values again, at new offsets: resends it filters.
+    produce_integers(broker.bootstrap(), "events", 1..=50)?;
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let mut c = replayguard();
+    c.arg("consume")
+        .args(["--brokers", broker.bootstrap(), "--group", "reader"])
+        .args(["--topic", "events", "--state"])
+        .arg(dir.path().join("state"))
+        .args(["-X", "session.timeout.ms=6000"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null());
+    let mut proc = Proc::spawn("consume".into(), &mut c, dir.path().join("consume.log"))?;
+    let agent = client();
+    let s = scrape_until(&agent, &mut proc, port, "all 350, lag 0", |s| {
+        value(s, "replayguard_records_in_total") >= 350.0
+            && value(
+                s,
+                "replayguard_consumer_lag{topic=\"events\",partition=\"0\"}",
+            ) == 0.0
+    })?;
+    assert_eq!(value(&s, "replayguard_records_in_total"), 350.0);
+    assert_eq!(
+        value(&s, "replayguard_duplicates_total{reason=\"content\"}"),
+        50.0,
+        "{s:?}"
+    );
+    assert_eq!(
+        value(&s, "replayguard_duplicates_total{reason=\"position\"}"),
+        0.0,
+        "{s:?}"
+    );
+    health_until(&agent, &mut proc, port, "200", |status, body| {
+        status == 200 && body.starts_with("ok")
+    })?;
+    send_signal(proc.child.id(), "TERM")?;
+    let status = proc.wait(LIMIT)?;
+    assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());
+    Ok(())
+}

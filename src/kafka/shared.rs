@@ -518,3 +518,34 @@ impl Shared {
         }))
     }
 }
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn tp(topic: &str, p: i32) -> Partition {
+        (topic.to_owned(), p)
+    }
+
+    #[test]
+    fn lag_is_the_watermark_less_the_position_now() {
+        let mut s = Shared::new(None);
+        s.track("t", 0).next = Some(5);
+        // No position of the guard's yet: librdkafka's is used.
+        s.track("t", 1);
+        s.set_watermarks(BTreeMap::from([
+            (tp("t", 0), (12, Some(3))),
+            (tp("t", 1), (9, Some(4))),
+            // Not assigned here: no lag.
+            (tp("t", 2), (100, Some(0))),
+        ]));
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 0), 7), (tp("t", 1), 5)]));
+        // Reading on lowers it at once, down to 0, never below.
+        s.track("t", 0).next = Some(11);
+        s.track("t", 1).next = Some(20);
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 0), 1), (tp("t", 1), 0)]));
+        // A partition that leaves has no lag here any more.
+        s.forget(&[tp("t", 0)]);
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 1), 0)]));
+    }
+}
