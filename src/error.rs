@@ -312,4 +312,41 @@ impl Error {
     pub fn is_poisoning(&self) -> bool {
         matches!(self, Error::Store { .. } | Error::Io(_))
     }
+
+    /// A short, stable name of the kind of failure, in snake case (for
+    /// example `store`, `poisoned`, `lease_lapsed`): for structured logs
+    /// and alerts, which should not match on the `Display` text.
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Open { .. } => "open",
+            Error::InUse { .. } => "in_use",
+            Error::ForeignState { .. } => "foreign_state",
+            Error::JobMismatch { .. } => "job_mismatch",
+            Error::UnsupportedVersion { .. } => "unsupported_version",
+            Error::Corrupt { .. } => "corrupt",
+            Error::Store { .. } => "store",
+            Error::Poisoned { .. } => "poisoned",
+            Error::Config(_) => "config",
+            Error::UnknownLane(_) => "unknown_lane",
+            #[cfg(feature = "kafka")]
+            Error::Kafka { .. } => "kafka",
+            #[cfg(feature = "kafka")]
+            Error::Delivery { .. } => "delivery",
+            Error::UnknownTopic { .. } => "unknown_topic",
+            #[cfg(feature = "kafka")]
+            Error::Connect { .. } => "connect",
+            Error::Unreachable { .. } => "unreachable",
+            #[cfg(feature = "kafka")]
+            Error::Consume { .. } => "consume",
+            Error::LeaseLapsed { .. } => "lease_lapsed",
+            Error::AssignmentLost => "assignment_lost",
+            Error::TopicRewound { .. } => "topic_rewound",
+            Error::Process { .. } => "process",
+            Error::Stopped { .. } => "stopped",
+            Error::Encode { .. } => "encode",
+            Error::StateFolder { .. } => "state_folder",
+            Error::Io(_) => "io",
+        }
+    }
 }

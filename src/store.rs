@@ -827,10 +827,14 @@ fn decode_manifest(v: &[u8]) -> std::result::Result<Manifest, String> {
 }
 
 /// Test-only fault injection: when the environment variable
-/// `REPLAYGUARD_FAIL_AT` equals `name`, the write fails as a disk would.
+/// `REPLAYGUARD_FAIL_AT` equals `name`, the write fails as a disk would;
+/// with `REPLAYGUARD_FAIL_ARMED` set to a path, only once that path exists
+/// (so that a test can let a process start cleanly, then fail its disk).
 fn fail_point(name: &str) -> Result<()> {
     if cfg!(any(test, feature = "fault-injection"))
         && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
+        && std::env::var_os("REPLAYGUARD_FAIL_ARMED")
+            .is_none_or(|armed| std::path::Path::new(&armed).exists())
     {
         return Err(Error::Io(std::io::Error::other(format!(
             "injected failure at {name}"

@@ -817,7 +817,7 @@ impl Guard {
         if let Err(e) = &r
             && e.is_poisoning()
         {
-            tracing::error!(error = %e, "replayguard store write failed; guard poisoned");
+            tracing::error!(error = %e, error_kind = e.kind(), epoch = self.epoch, "replayguard store write failed; guard poisoned");
             self.poisoned = Some(e.to_string());
         }
         r

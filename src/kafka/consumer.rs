@@ -1,7 +1,7 @@
 //! The guarded consumer: a `StreamConsumer` built from the user's own
 //! configuration that yields each record once within the retention (G2).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,6 +64,10 @@ pub struct ConsumerStats {
     pub checkpoints: u64,
     /// The engine's snapshot.
     pub guard: Option<Stats>,
+    /// Consumer lag of each assigned partition, (topic, partition) to the
+    /// high watermark less the position, from librdkafka's statistics:
+    /// empty unless `statistics.interval.ms` is set.
+    pub lag: BTreeMap<(String, i32), i64>,
 }
 
 /// Builds a [`GuardedConsumer`].
@@ -351,7 +355,6 @@ impl GuardedConsumer {
         if let Ok(mut t) = self.last_checkpoint.lock() {
             *t = Instant::now();
         }
-        metrics::counter!("replayguard_checkpoints_total").increment(1);
         metrics::histogram!("replayguard_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());
         Ok(())
@@ -417,6 +420,7 @@ impl GuardedConsumer {
             acked: s.counters.acked,
             checkpoints: s.counters.checkpoints,
             guard: s.guard.as_ref().map(crate::Guard::stats),
+            lag: s.lag(),
         }
     }
 

@@ -6,6 +6,7 @@
 //! does (flushing its producer, reconciling its output, committing inside a
 //! transaction) it asks of the adapter through [`Hooks`].
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use rdkafka::consumer::{
 };
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::statistics::Statistics;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 
@@ -433,7 +435,7 @@ impl Core {
             .flush(self.timeout)
             .and_then(|()| self.checkpoint(consumer, Some(&leaving), CommitMode::Sync));
         if let Err(e) = done {
-            tracing::error!(error = %e, "checkpoint on revoke failed");
+            tracing::error!(error = %e, error_kind = e.kind(), "checkpoint on revoke failed");
             self.lock().fail(e);
             return;
         }
@@ -507,6 +509,7 @@ impl Core {
         }
         let elapsed = started.elapsed();
         metrics::histogram!("replayguard_recovery_seconds").record(elapsed.as_secs_f64());
+        self.lock().publish_state();
         tracing::info!(
             ms = elapsed.as_millis() as u64,
             "assigned partitions recovered"
@@ -575,12 +578,13 @@ impl Core {
         }
         if lane.is_some() && local.is_none() {
             tracing::info!(
-                partition = %format!("{topic}[{p}]"),
+                topic = %topic,
+                partition = p,
                 start = ?start,
                 "partition arrives with no local state: it starts at the group's committed offset, and only identities within the output reconciliation (pipeline) or handled from now on (consumer) are known"
             );
         } else {
-            tracing::debug!(partition = %format!("{topic}[{p}]"), ?start, ?local, ?group_pos, "partition assigned");
+            tracing::debug!(topic = %topic, partition = p, ?start, ?local, ?group_pos, "partition assigned");
         }
         let mut s = self.lock();
         let t = s.track(&topic, p);
@@ -662,6 +666,28 @@ impl ClientContext for GuardContext {
             tracing::debug!(error = %error, reason, "kafka client error; librdkafka retries it");
         }
     }
+
+    /// librdkafka's statistics, emitted every `statistics.interval.ms`
+    /// (off by default): the consumer lag of each assigned partition, high
+    /// watermark less the position, into [`super::PipelineStats::lag`] or
+    /// [`super::ConsumerStats::lag`] and the `replayguard_consumer_lag`
+    /// gauge.
+    fn stats(&self, statistics: Statistics) {
+        let mut watermarks = BTreeMap::new();
+        for (topic, t) in &statistics.topics {
+            for (p, part) in &t.partitions {
+                if *p < 0 || part.hi_offset < 0 {
+                    continue;
+                }
+                let known = |o: i64| (o >= 0).then_some(o);
+                let fallback = known(part.app_offset)
+                    .or(known(part.committed_offset))
+                    .or(known(part.lo_offset));
+                watermarks.insert((topic.clone(), *p), (part.hi_offset, fallback));
+            }
+        }
+        self.core.lock().set_watermarks(watermarks);
+    }
 }
 
 impl ConsumerContext for GuardContext {
@@ -684,7 +710,7 @@ impl ConsumerContext for GuardContext {
                 if let Err(e) = self.core.on_assign(consumer, tpl) {
                     // Assign nothing: the failure stops the guard, and no
                     // record is delivered unrecovered.
-                    tracing::error!(error = %e, "recovery on assign failed");
+                    tracing::error!(error = %e, error_kind = e.kind(), "recovery on assign failed");
                     self.core.lock().fail(e);
                     return;
                 }

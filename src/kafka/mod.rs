@@ -23,6 +23,15 @@
 //! transactional copy) and the crash simulation `abort()` are behind the
 //! `baselines` feature, in [`baseline`] when it is on.
 //!
+//! ## Metrics
+//!
+//! Both adapters emit counters, gauges and histograms through the `metrics`
+//! facade; the library installs no recorder. [`describe_metrics`] lists
+//! them and gives each its unit and help. The consumer lag
+//! (`replayguard_consumer_lag`, [`PipelineStats::lag`],
+//! [`ConsumerStats::lag`]) comes from librdkafka's statistics, so it is
+//! there only when the configuration sets `statistics.interval.ms`.
+//!
 //! ## What the adapters change in the user's configuration
 //!
 //! - `enable.auto.commit=false` and `enable.auto.offset.store=false`: the
@@ -86,6 +95,7 @@ mod pipeline;
 mod reconcile;
 mod setup;
 mod shared;
+mod telemetry;
 mod trouble;
 
 pub use consumer::{ConsumerStats, GuardedConsumer, GuardedConsumerBuilder, GuardedRecord};
@@ -94,6 +104,7 @@ pub use headers::{FINGERPRINT_HEADER, PART_HEADER, SOURCE_HEADER, SourcePosition
 pub use options::GuardOptions;
 pub use pipeline::output::OutputRecord;
 pub use pipeline::{GuardedPipeline, GuardedPipelineBuilder, PipelineStats, StatsHandle};
+pub use telemetry::describe_metrics;
 
 use rdkafka::message::{Headers, Message};
 

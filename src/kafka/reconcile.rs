@@ -236,7 +236,9 @@ fn settle_parts(core: &Core, parts: HashMap<InputKey, PartsSeen>) -> Result<u64>
             }
         } else {
             tracing::warn!(
-                input = %format!("{topic}[{partition}]@{offset}"),
+                topic = %topic,
+                partition,
+                offset,
                 written = seen.len(),
                 count,
                 "an input's outputs were cut short by a crash; its replay writes only the missing ones"

@@ -375,10 +375,13 @@ pub(crate) fn kafka(operation: &str) -> impl FnOnce(KafkaError) -> Error + '_ {
 }
 
 /// Test-only fault points, compiled in with the `fault-injection` feature:
-/// true when the environment variable `REPLAYGUARD_FAIL_AT` names `name`.
+/// true when the environment variable `REPLAYGUARD_FAIL_AT` names `name`
+/// and, if `REPLAYGUARD_FAIL_ARMED` names a path, that path exists.
 pub(crate) fn fault(name: &str) -> bool {
     cfg!(any(test, feature = "fault-injection"))
         && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
+        && std::env::var_os("REPLAYGUARD_FAIL_ARMED")
+            .is_none_or(|armed| std::path::Path::new(&armed).exists())
 }
 
 /// Runs `f` (which blocks: broker probes, state recovery) on tokio's

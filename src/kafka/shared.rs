@@ -141,6 +141,10 @@ pub(crate) struct Shared {
     pub at_eof: HashSet<i32>,
     /// Partitions assigned but not recovered yet, see [`Held`].
     pub held: Option<Held>,
+    /// High watermark of each assigned partition, and a position to count
+    /// lag from until the guard has one, from librdkafka's last
+    /// statistics; empty without them.
+    watermarks: BTreeMap<Partition, (i64, Option<i64>)>,
     /// Scratch space of [`Shared::admit`]'s batched checks.
     probes: Vec<Probe>,
     verdicts: Vec<Verdict>,
@@ -159,6 +163,7 @@ impl Shared {
             partial: HashMap::new(),
             at_eof: HashSet::new(),
             held: None,
+            watermarks: BTreeMap::new(),
             probes: Vec::new(),
             verdicts: Vec::new(),
         }
@@ -387,16 +392,80 @@ impl Shared {
             .map(|(t, p, pos, _)| (t, p, pos))
             .collect();
         self.counters.checkpoints += 1;
+        metrics::counter!("replayguard_checkpoints_total").increment(1);
+        self.publish_state();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        metrics::gauge!("replayguard_last_checkpoint_timestamp_seconds").set(now.as_secs_f64());
+        Ok((commit, meta))
+    }
+
+    /// Sets the gauges of the state's size from the engine's snapshot (as
+    /// of its last checkpoint or open).
+    pub fn publish_state(&self) {
         if let Some(g) = self.guard.as_ref() {
             let st = g.stats();
             metrics::gauge!("replayguard_live_fingerprints").set(st.live_fingerprints as f64);
             metrics::gauge!("replayguard_live_epochs").set(st.live_epochs as f64);
+            metrics::gauge!("replayguard_live_offsets").set(st.live_offsets as f64);
+            metrics::gauge!("replayguard_epoch").set(st.epoch as f64);
+            metrics::gauge!("replayguard_state_memory_bytes").set(st.memory_bytes as f64);
+            metrics::gauge!("replayguard_state_disk_bytes").set(st.disk_bytes as f64);
         }
-        Ok((commit, meta))
+    }
+
+    /// Takes librdkafka's view of the assigned partitions from its
+    /// statistics: partition to its high watermark, and the position to
+    /// count from while the guard has none of its own (librdkafka's, the
+    /// group's or the partition's start). Sets the
+    /// `replayguard_consumer_lag` gauges; a partition that left this
+    /// instance reads 0 there, so that a sum over instances counts each
+    /// partition once.
+    pub fn set_watermarks(&mut self, watermarks: BTreeMap<Partition, (i64, Option<i64>)>) {
+        let old = std::mem::replace(&mut self.watermarks, watermarks);
+        let lag = self.lag();
+        for (topic, partition) in old.keys() {
+            if !lag.contains_key(&(topic.clone(), *partition)) {
+                metrics::gauge!(
+                    "replayguard_consumer_lag",
+                    "topic" => topic.clone(),
+                    "partition" => partition.to_string()
+                )
+                .set(0.0);
+            }
+        }
+        for ((topic, partition), l) in &lag {
+            metrics::gauge!(
+                "replayguard_consumer_lag",
+                "topic" => topic.clone(),
+                "partition" => partition.to_string()
+            )
+            .set(*l as f64);
+        }
+    }
+
+    /// The consumer lag of each assigned partition: its high watermark as
+    /// of librdkafka's last statistics less its position now. Empty
+    /// without statistics.
+    pub fn lag(&self) -> BTreeMap<Partition, i64> {
+        self.watermarks
+            .iter()
+            .filter_map(|((topic, p), (high, fallback))| {
+                let track = self.tracks.get(topic)?.get(p)?;
+                let position = track.next.or(*fallback)?;
+                Some(((topic.clone(), *p), (high - position).max(0)))
+            })
+            .collect()
     }
 
     /// Forgets the tracks, and any hold, of partitions that left.
     pub fn forget(&mut self, gone: &[Partition]) {
+        if gone.iter().any(|tp| self.watermarks.contains_key(tp)) {
+            let mut kept = self.watermarks.clone();
+            kept.retain(|tp, _| !gone.contains(tp));
+            self.set_watermarks(kept);
+        }
         for (t, p) in gone {
             if let Some(m) = self.tracks.get_mut(t) {
                 m.remove(p);
@@ -429,7 +498,7 @@ impl Shared {
     /// Stops the guard with `e`, unless it stopped already.
     pub fn fail(&mut self, e: Error) {
         if self.failure.reason.is_none() {
-            tracing::error!(error = %e, "replayguard stopped");
+            tracing::error!(error = %e, error_kind = e.kind(), "replayguard stopped");
             self.failure.reason = Some(e.to_string());
             self.failure.first = Some(e);
         }
@@ -447,5 +516,36 @@ impl Shared {
         Some(self.failure.first.take().unwrap_or_else(|| Error::Stopped {
             reason: format!("stopped after an earlier failure: {reason}"),
         }))
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn tp(topic: &str, p: i32) -> Partition {
+        (topic.to_owned(), p)
+    }
+
+    #[test]
+    fn lag_is_the_watermark_less_the_position_now() {
+        let mut s = Shared::new(None);
+        s.track("t", 0).next = Some(5);
+        // No position of the guard's yet: librdkafka's is used.
+        s.track("t", 1);
+        s.set_watermarks(BTreeMap::from([
+            (tp("t", 0), (12, Some(3))),
+            (tp("t", 1), (9, Some(4))),
+            // Not assigned here: no lag.
+            (tp("t", 2), (100, Some(0))),
+        ]));
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 0), 7), (tp("t", 1), 5)]));
+        // Reading on lowers it at once, down to 0, never below.
+        s.track("t", 0).next = Some(11);
+        s.track("t", 1).next = Some(20);
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 0), 1), (tp("t", 1), 0)]));
+        // A partition that leaves has no lag here any more.
+        s.forget(&[tp("t", 0)]);
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 1), 0)]));
     }
 }

@@ -112,6 +112,26 @@ pub struct GuardArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub lease: Option<Duration>,
 
+    /// Serve Prometheus metrics at `http://HOST:PORT/metrics` and the
+    /// guard's health at `/health` (200 while it runs and checkpoints, 503
+    /// with the reason otherwise), for example `0.0.0.0:9464`. The address
+    /// is taken before any broker is contacted: one in use is a usage
+    /// error.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
+
+    /// With --metrics-addr: after the run ends, keep answering /metrics and
+    /// /health (503, saying why it stopped) this long, or until a signal,
+    /// before exiting, so that a last scrape and probe see the end.
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_duration, requires = "metrics_addr")]
+    pub metrics_linger: Duration,
+
+    /// Log lines on stderr: `text` (for people) or `json` (one object a
+    /// line, with fields such as topic, partition, epoch and error_kind;
+    /// the final error line too).
+    #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = parse_log_format)]
+    pub log_format: LogFormat,
+
     /// Hand the state folder to this job even if it belongs to another
     /// (another group, output, or no input in common): its positions and
     /// identities are then taken as this job's. The identity cannot change
@@ -221,6 +241,34 @@ fn parse_identity(s: &str) -> Result<Identity, String> {
     s.parse().map_err(config_text)
 }
 
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+fn parse_log_format(s: &str) -> Result<LogFormat, String> {
+    match s {
+        "text" => Ok(LogFormat::Text),
+        "json" => Ok(LogFormat::Json),
+        other => Err(format!("unknown log format {other:?}: use text or json")),
+    }
+}
+
+impl Command {
+    /// The log format the command asked for (text for those without the
+    /// flag).
+    pub fn log_format(&self) -> LogFormat {
+        match self {
+            Command::Pipe(p) => p.guard.log_format,
+            Command::Consume(c) => c.guard.log_format,
+            Command::Inspect(_) | Command::Reset(_) => LogFormat::Text,
+        }
+    }
+}
+
 /// `pipe --mode`: the product, or a baseline to measure it against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -322,6 +370,8 @@ mod test {
             ["--checkpoint-interval", "soon"],
             ["-X", "novalue"],
             ["--format", "%x"],
+            ["--log-format", "xml"],
+            ["--metrics-linger", "5s"],
         ] {
             let mut args = vec![
                 "replayguard",

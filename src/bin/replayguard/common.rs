@@ -19,11 +19,14 @@ pub const RUNTIME: u8 = 1;
 /// Exit status of a usage error.
 pub const USAGE: u8 = 2;
 
-/// Why the command failed: the exit status and the one line to print.
+/// Why the command failed: the exit status, the one line to print, and
+/// the kind of failure for JSON logs (the library's [`Error::kind`],
+/// `usage`, or `runtime` for the command's own).
 #[derive(Debug)]
 pub struct Failure {
     pub code: u8,
     pub message: String,
+    pub kind: &'static str,
 }
 
 impl Failure {
@@ -31,6 +34,7 @@ impl Failure {
         Failure {
             code: RUNTIME,
             message: message.to_string(),
+            kind: "runtime",
         }
     }
 
@@ -38,14 +42,22 @@ impl Failure {
         Failure {
             code: USAGE,
             message: message.to_string(),
+            kind: "usage",
         }
+    }
+
+    /// The same failure, of the library's kind `kind`.
+    fn of_kind(mut self, kind: &'static str) -> Self {
+        self.kind = kind;
+        self
     }
 
     /// A failure to start: a configuration the library refuses before it
     /// touches a broker or the state is a usage error; anything else is a
     /// runtime failure.
     pub fn starting(e: Error) -> Self {
-        match e {
+        let kind = e.kind();
+        let failure = match e {
             Error::Config(msg) => Failure::usage(in_flag_terms(&msg)),
             Error::Unreachable {
                 brokers,
@@ -64,6 +76,11 @@ impl Failure {
                 ))
             }
             e => Failure::runtime(e),
+        };
+        if failure.code == USAGE {
+            failure
+        } else {
+            failure.of_kind(kind)
         }
     }
 }
@@ -93,7 +110,8 @@ fn in_flag_terms(msg: &str) -> String {
 
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
-        Failure::runtime(e)
+        let kind = e.kind();
+        Failure::runtime(e).of_kind(kind)
     }
 }
 
@@ -142,10 +160,15 @@ fn consumer_only(k: &str) -> bool {
         || k.starts_with("consume.")
 }
 
+/// librdkafka's statistics interval unless `-X` sets one: the lag on the
+/// progress line and in the metrics comes from them.
+const STATISTICS_INTERVAL_MS: &str = "1000";
+
 /// The consumer configuration: every `-X` a consumer reads, then
 /// `--brokers` and `--group`.
 pub fn consumer_config(args: &GuardArgs) -> ClientConfig {
     let mut cfg = ClientConfig::new();
+    cfg.set("statistics.interval.ms", STATISTICS_INTERVAL_MS);
     for (k, v) in &args.properties {
         if !producer_only(k) {
             cfg.set(k, v);

@@ -9,6 +9,7 @@ use replayguard::kafka::GuardedConsumer;
 
 use crate::cli::ConsumeArgs;
 use crate::common::{self, Failure, Stop};
+use crate::endpoint::{self, Ops};
 use crate::progress::Progress;
 
 /// How the read loop ended.
@@ -25,23 +26,28 @@ pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
     let g = &args.guard;
     common::check_properties(g)?;
     common::check_state(&g.state, replayguard::FolderUse::Run)?;
+    let bound = g.metrics_addr.as_deref().map(endpoint::bind).transpose()?;
     let mut builder =
         GuardedConsumer::builder(common::consumer_config(g), &g.state).options(g.options());
     for topic in &args.topic {
         builder = builder.topic(topic);
     }
     let stop = Stop::install()?;
-    let Some(consumer) = common::start(builder.build(), &stop).await? else {
-        return Ok(());
+    let mut ops = Ops::start(bound, g.checkpoint_interval, g.metrics_linger)?;
+    let consumer = match common::start(builder.build(), &stop).await {
+        Ok(Some(consumer)) => Arc::new(consumer),
+        Ok(None) => return ops.end(Ok(()), &stop).await,
+        Err(failure) => return ops.end(Err(failure), &stop).await,
     };
-    let consumer = Arc::new(consumer);
+    let watched = consumer.clone();
+    ops.running(move || watched.stats().checkpoints);
     // Records on the same terminal would break the progress line.
     let watched = consumer.clone();
     let progress = Progress::start(!std::io::stdout().is_terminal(), false, move || {
         watched.stats().into()
     });
 
-    let mut stopped = std::pin::pin!(stop.wait());
+    let mut stopped = std::pin::pin!(ops.stopping_on(stop.wait()));
     let mut stdout = std::io::stdout();
     let mut line = Vec::new();
     let end = loop {
@@ -71,6 +77,9 @@ pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
             break End::Guard(e);
         }
     };
+    if matches!(end, End::Clean | End::Output(_)) {
+        ops.stopping();
+    }
     let result = match end {
         End::Clean => consumer.checkpoint().await.map_err(Failure::from),
         End::Output(e) => {
@@ -84,11 +93,13 @@ pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
         }
         End::Guard(e) => Err(Failure::from(e)),
     };
+    ops.finished(&result).await;
     progress.finish(consumer.stats().into()).await;
     // The progress line's handle is gone with it; if not, the consumer
     // closes when the process exits, which is as safe as a crash.
     if let Ok(consumer) = Arc::try_unwrap(consumer) {
         common::close(consumer.close(Duration::from_secs(10))).await;
     }
+    ops.linger(&stop).await;
     result
 }

@@ -11,6 +11,7 @@
 mod cli;
 mod common;
 mod consume;
+mod endpoint;
 mod format;
 mod inspect;
 mod pipe;
@@ -23,7 +24,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::{Cli, Command};
+use crate::cli::{Cli, Command, LogFormat};
 use crate::common::Failure;
 
 /// Our own warnings and errors. rdkafka's log (which repeats every
@@ -34,13 +35,19 @@ const DEFAULT_LOG: &str = "warn,rdkafka=off,librdkafka=off";
 fn main() -> ExitCode {
     // Usage errors exit 2 here, `--help` and `--version` exit 0.
     let cli = Cli::parse();
-    init_logging();
+    let format = cli.command.log_format();
+    init_logging(format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt,
-        Err(e) => return report(&Failure::runtime(format!("cannot start the runtime: {e}"))),
+        Err(e) => {
+            return report(
+                &Failure::runtime(format!("cannot start the runtime: {e}")),
+                format,
+            );
+        }
     };
     let result = runtime.block_on(run(cli));
     // A start-up interrupted by a signal can leave a blocking broker probe
@@ -48,7 +55,7 @@ fn main() -> ExitCode {
     runtime.shutdown_background();
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(failure) => report(&failure),
+        Err(failure) => report(&failure, format),
     }
 }
 
@@ -61,16 +68,41 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
-/// Prints the one error line and returns the exit status.
-fn report(failure: &Failure) -> ExitCode {
+/// The final error line with `--log-format json`, its fields in the order
+/// of the log lines before it.
+#[derive(serde::Serialize)]
+struct ErrorLine<'a> {
+    timestamp: String,
+    level: &'static str,
+    message: &'a str,
+    error_kind: &'static str,
+    exit_status: u8,
+    target: &'static str,
+}
+
+/// Prints the one error line and returns the exit status. With JSON logs
+/// the line is a JSON object like the log lines before it.
+fn report(failure: &Failure, format: LogFormat) -> ExitCode {
     progress::clear_line();
     let message = failure.message.replace(['\n', '\r'], " ");
+    let line = match format {
+        LogFormat::Text => format!("replayguard: error: {message}"),
+        LogFormat::Json => serde_json::to_string(&ErrorLine {
+            timestamp: humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            level: "ERROR",
+            message: &message,
+            error_kind: failure.kind,
+            exit_status: failure.code,
+            target: "replayguard",
+        })
+        .unwrap_or_else(|_| format!("replayguard: error: {message}")),
+    };
     // Nothing more can be done when stderr itself is closed.
-    let _ = writeln!(std::io::stderr(), "replayguard: error: {message}");
+    let _ = writeln!(std::io::stderr(), "{line}");
     ExitCode::from(failure.code)
 }
 
-fn init_logging() {
+fn init_logging(format: LogFormat) {
     let filter = match std::env::var("RUST_LOG") {
         Ok(spec) => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
             let _ = writeln!(
@@ -82,9 +114,21 @@ fn init_logging() {
         Err(_) => EnvFilter::new(DEFAULT_LOG),
     };
     // Fails only when a subscriber is already installed, which is fine.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(progress::LogWriter)
-        .try_init();
+    let _ = match format {
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_writer(progress::LogWriter)
+            .try_init(),
+        // One object a line; the event's fields (topic, partition, epoch,
+        // error_kind, ...) at the top level beside message and level.
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_env_filter(filter)
+            .with_writer(progress::LogWriter)
+            .try_init(),
+    };
 }

@@ -16,6 +16,13 @@ pub struct Counts {
     pub duplicates: u64,
     pub checkpoints: u64,
     pub guard: Option<Stats>,
+    /// Records behind the high watermarks, summed over the assigned
+    /// partitions; `None` before librdkafka's first statistics.
+    pub lag: Option<i64>,
+}
+
+fn total_lag(lag: &std::collections::BTreeMap<(String, i32), i64>) -> Option<i64> {
+    (!lag.is_empty()).then(|| lag.values().sum())
 }
 
 impl From<PipelineStats> for Counts {
@@ -25,6 +32,7 @@ impl From<PipelineStats> for Counts {
             outputs: s.outputs,
             duplicates: s.duplicates,
             checkpoints: s.checkpoints,
+            lag: total_lag(&s.lag),
             guard: s.guard,
         }
     }
@@ -37,10 +45,12 @@ impl From<ConsumerStats> for Counts {
             outputs: s.delivered,
             duplicates: s.duplicates,
             checkpoints: s.checkpoints,
+            lag: total_lag(&s.lag),
             guard: s.guard,
         }
     }
 }
+
 use tokio::task::JoinHandle;
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -73,6 +83,7 @@ impl<'a> MakeWriter<'a> for LogWriter {
 pub struct Progress {
     task: Option<JoinHandle<()>>,
     outputs: bool,
+    started: Instant,
 }
 
 impl Progress {
@@ -86,10 +97,12 @@ impl Progress {
             return Progress {
                 task: None,
                 outputs,
+                started: Instant::now(),
             };
         }
+        let started = Instant::now();
         let task = tokio::spawn(async move {
-            let mut line = Line::new(outputs);
+            let mut line = Line::new(outputs, started);
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -105,6 +118,7 @@ impl Progress {
         Progress {
             task: Some(task),
             outputs,
+            started,
         }
     }
 
@@ -114,7 +128,8 @@ impl Progress {
         task.abort();
         let _ = task.await;
         clear_line();
-        let text = Line::new(self.outputs).update(&stats);
+        // No sample before it: the rate is the whole run's.
+        let text = Line::new(self.outputs, self.started).update(&stats);
         let _ = writeln!(std::io::stderr(), "{text}");
     }
 }
@@ -124,25 +139,40 @@ struct Line {
     outputs: bool,
     checkpoints: u64,
     last_checkpoint: Option<Instant>,
+    /// The previous update's time and input count, for the rate; at first
+    /// the start and 0.
+    sample: (Instant, u64),
 }
 
 impl Line {
-    fn new(outputs: bool) -> Self {
+    fn new(outputs: bool, started: Instant) -> Self {
         Line {
             outputs,
             checkpoints: 0,
             last_checkpoint: None,
+            sample: (started, 0),
         }
     }
 
     fn update(&mut self, s: &Counts) -> String {
+        let now = Instant::now();
         if s.checkpoints != self.checkpoints {
             self.checkpoints = s.checkpoints;
-            self.last_checkpoint = Some(Instant::now());
+            self.last_checkpoint = Some(now);
         }
-        let mut text = format!("in {}", s.records_in);
+        let (then, before) = std::mem::replace(&mut self.sample, (now, s.records_in));
+        let seconds = now.duration_since(then).as_secs_f64();
+        let rate = if seconds > 0.0 {
+            s.records_in.saturating_sub(before) as f64 / seconds
+        } else {
+            0.0
+        };
+        let mut text = format!("in {} ({rate:.0}/s)", s.records_in);
         if self.outputs {
             text.push_str(&format!("  out {}", s.outputs));
+        }
+        if let Some(lag) = s.lag {
+            text.push_str(&format!("  lag {lag}"));
         }
         text.push_str(&format!("  duplicates dropped {}", s.duplicates));
         match self.last_checkpoint {

@@ -11,6 +11,7 @@ mod hooks;
 pub(crate) mod output;
 mod run;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -55,6 +56,10 @@ pub struct PipelineStats {
     pub checkpoints: u64,
     /// The engine's snapshot (none in the baselines).
     pub guard: Option<Stats>,
+    /// Consumer lag of each assigned partition, (topic, partition) to the
+    /// high watermark less the position, from librdkafka's statistics:
+    /// empty unless `statistics.interval.ms` is set.
+    pub lag: BTreeMap<(String, i32), i64>,
 }
 
 /// Builds a [`GuardedPipeline`].
@@ -325,6 +330,7 @@ impl StatsHandle {
             outputs: s.counters.outputs,
             checkpoints: s.counters.checkpoints,
             guard: s.guard.as_ref().map(crate::Guard::stats),
+            lag: s.lag(),
         }
     }
 }

@@ -394,7 +394,6 @@ impl GuardedPipeline {
         if let Err(e) = self.core.checkpoint(&*self.consumer, None, mode) {
             return Err(self.core.stop(e));
         }
-        metrics::counter!("replayguard_checkpoints_total").increment(1);
         metrics::histogram!("replayguard_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());
         Ok(())

@@ -1,0 +1,112 @@
+//! The metrics the adapters emit through the `metrics` facade, described
+//! once: names, units and help text. The library installs no recorder;
+//! an application that installs one (the command line's Prometheus
+//! exporter, for one) calls [`describe_metrics`] to give each its help.
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+/// Describes every metric the adapters emit to the installed recorder
+/// (unit and help text), and registers the counters so that they read 0
+/// before their first event. Without a recorder it does nothing.
+///
+/// Counters: `replayguard_records_in_total`,
+/// `replayguard_duplicates_total` (label `reason`: `position` or
+/// `content`), `replayguard_outputs_total`,
+/// `replayguard_checkpoints_total`,
+/// `replayguard_reconciled_identities_total`. Gauges:
+/// `replayguard_consumer_lag` (labels `topic`, `partition`),
+/// `replayguard_live_epochs`, `replayguard_live_fingerprints`,
+/// `replayguard_live_offsets`, `replayguard_epoch`,
+/// `replayguard_state_memory_bytes`, `replayguard_state_disk_bytes`,
+/// `replayguard_last_checkpoint_timestamp_seconds`. Histograms:
+/// `replayguard_checkpoint_seconds`, `replayguard_recovery_seconds`,
+/// `replayguard_fence_wait_seconds`.
+pub fn describe_metrics() {
+    describe_counter!(
+        "replayguard_records_in_total",
+        Unit::Count,
+        "Input records received, duplicates included."
+    );
+    describe_counter!(
+        "replayguard_duplicates_total",
+        Unit::Count,
+        "Input records filtered as already handled, by reason: position (a replay at the same offset) or content (a resend at another offset)."
+    );
+    describe_counter!(
+        "replayguard_outputs_total",
+        Unit::Count,
+        "Outputs acked by the broker (a pipeline)."
+    );
+    describe_counter!(
+        "replayguard_checkpoints_total",
+        Unit::Count,
+        "Checkpoints completed."
+    );
+    describe_counter!(
+        "replayguard_reconciled_identities_total",
+        Unit::Count,
+        "Inputs found handled by reading the output back at recovery."
+    );
+    describe_gauge!(
+        "replayguard_consumer_lag",
+        Unit::Count,
+        "Records behind the high watermark, per assigned partition (0 for a partition this instance no longer owns)."
+    );
+    describe_gauge!(
+        "replayguard_live_epochs",
+        Unit::Count,
+        "Live epochs, the open one included."
+    );
+    describe_gauge!(
+        "replayguard_live_fingerprints",
+        Unit::Count,
+        "Live content fingerprints, in memory or on disk."
+    );
+    describe_gauge!(
+        "replayguard_live_offsets",
+        Unit::Count,
+        "Live offsets (all in memory)."
+    );
+    describe_gauge!("replayguard_epoch", Unit::Count, "The open epoch.");
+    describe_gauge!(
+        "replayguard_state_memory_bytes",
+        Unit::Bytes,
+        "Memory the identity index holds (an estimate, as of the last checkpoint or recovery)."
+    );
+    describe_gauge!(
+        "replayguard_state_disk_bytes",
+        Unit::Bytes,
+        "Bytes of the state folder on disk, as of the last checkpoint or recovery."
+    );
+    describe_gauge!(
+        "replayguard_last_checkpoint_timestamp_seconds",
+        Unit::Seconds,
+        "Unix time of the last successful checkpoint."
+    );
+    describe_histogram!(
+        "replayguard_checkpoint_seconds",
+        Unit::Seconds,
+        "Time a checkpoint took (periodic and on revoke)."
+    );
+    describe_histogram!(
+        "replayguard_recovery_seconds",
+        Unit::Seconds,
+        "Time the recovery of assigned partitions took, output reconciliation included."
+    );
+    describe_histogram!(
+        "replayguard_fence_wait_seconds",
+        Unit::Seconds,
+        "Time a new owner kept partitions paused for a previous owner's outputs in flight."
+    );
+    for name in [
+        "replayguard_records_in_total",
+        "replayguard_outputs_total",
+        "replayguard_checkpoints_total",
+        "replayguard_reconciled_identities_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for reason in ["position", "content"] {
+        metrics::counter!("replayguard_duplicates_total", "reason" => reason).increment(0);
+    }
+}
