@@ -9,6 +9,7 @@
 //! ```
 //!
 //! `REPLAYGUARD_BENCH_QUICK=1` also selects the smoke run,
+//! `REPLAYGUARD_BENCH_RATE=N` the latency section's input rate (records/s),
 //! `REPLAYGUARD_BENCH_BROKERS=kafka,in-process,process` the brokers of the
 //! throughput and latency sections (a full run: all three for throughput,
 //! Kafka and the in-process mock for latency),
@@ -382,6 +383,13 @@ fn main() -> ExitCode {
             .init();
     }
     let mut plan = Plan::new(quick, sections);
+    if let Some(rate) = std::env::var("REPLAYGUARD_BENCH_RATE")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|r| *r > 0)
+    {
+        plan.rate = rate;
+    }
     if let Ok(v) = std::env::var("REPLAYGUARD_BENCH_BROKERS")
         && !v.trim().is_empty()
     {
