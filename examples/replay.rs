@@ -725,7 +725,9 @@ fn print_table(runs: &[&Summary; 2]) {
          checkpoint schedule that is {} after the write at the median and {} at\n\
          p99 (about 10 s on average with the classic 20 s interval). The mock broker\n\
          shows uncommitted records to read_committed readers, so this wait is computed\n\
-         from the guarded outputs' times and the checkpoint schedule, not measured.",
+         from the guarded outputs' times and the checkpoint schedule, not measured.\n\
+         On Apache Kafka, scripts/seed-experiment measures it against Flink's\n\
+         exactly-once sink (BENCHMARKS.md has its table).",
         CHECKPOINT.as_secs(),
         ms(percentile(&guarded.at_commit, 0.5)),
         ms(percentile(&guarded.at_commit, 0.99)),
