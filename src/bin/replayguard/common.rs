@@ -3,6 +3,7 @@
 //! closing the Kafka clients off the async runtime.
 
 use std::fmt::Display;
+use std::io::IsTerminal;
 use std::io::Write;
 use std::path::Path;
 
@@ -160,15 +161,19 @@ fn consumer_only(k: &str) -> bool {
         || k.starts_with("consume.")
 }
 
-/// librdkafka's statistics interval unless `-X` sets one: the lag on the
-/// progress line and in the metrics comes from them.
+/// librdkafka's statistics interval when someone looks at the lag (the
+/// metrics endpoint, or the progress line on a terminal) and `-X` sets
+/// none: the lag comes from them. Off otherwise, as librdkafka has it: a
+/// run nobody watches gains nothing from a statistics callback a second.
 const STATISTICS_INTERVAL_MS: &str = "1000";
 
 /// The consumer configuration: every `-X` a consumer reads, then
 /// `--brokers` and `--group`.
 pub fn consumer_config(args: &GuardArgs) -> ClientConfig {
     let mut cfg = ClientConfig::new();
-    cfg.set("statistics.interval.ms", STATISTICS_INTERVAL_MS);
+    if args.metrics_addr.is_some() || std::io::stderr().is_terminal() {
+        cfg.set("statistics.interval.ms", STATISTICS_INTERVAL_MS);
+    }
     for (k, v) in &args.properties {
         if !producer_only(k) {
             cfg.set(k, v);
