@@ -1173,9 +1173,9 @@ fn pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> 
 #[test]
 #[ignore = "flaky on Kafka 4.4 with two Kafka tests at once on 2 cores: in 11 runs on 2026-12-01 it \
             failed 7 times, never with a duplicate or a loss. After SIGSTOP/SIGCONT of the broker: \
-            the test's own feeder had records unacked 180 s after the last thaw (4 times, all under \
-            load); a restarted pipe joined and got no assignment for 90 s; one was assigned and \
-            reconciled, then wrote nothing for 60 s (one restart cured both). The same scenario \
+            the test's own feeder had records unacked 180 s after the last thaw (3 times, all under \
+            load); a restarted pipe joined and got no assignment for 90 s (twice; a restart cured \
+            it); a restarted pipe was assigned and reconciled, then wrote nothing for 60 s (3 times). The same scenario \
             runs on the mock broker process, and Kafka killed and restarted runs below; run this one \
             with --ignored on a quiet machine"]
 fn on_kafka_pipe_through_a_broker_frozen_past_its_timeouts_copies_each_integer_once() -> TestResult
