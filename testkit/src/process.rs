@@ -183,3 +183,11 @@ impl Drop for Frozen {
         let _ = send_signal(self.0, "CONT");
     }
 }
+
+/// The last `n` lines of the file at `path` (empty when it cannot be
+/// read), for failure messages.
+pub fn file_tail(path: &std::path::Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

@@ -110,9 +110,7 @@ impl Proc {
 
     /// The last lines it wrote to stderr.
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(15)..].join("\n")
+        crate::process::file_tail(&self.log, 15)
     }
 
     /// Its exit status if it has exited.

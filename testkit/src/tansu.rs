@@ -189,10 +189,10 @@ impl TansuBroker {
 
     /// The last lines of the current run's log, for failure messages.
     pub fn log_tail(&self) -> String {
-        let log = self.dir.path().join(format!("broker-{}.log", self.starts));
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
+        crate::process::file_tail(
+            &self.dir.path().join(format!("broker-{}.log", self.starts)),
+            40,
+        )
     }
 
     fn launch(&mut self) -> TestResult {
