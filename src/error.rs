@@ -277,6 +277,22 @@ pub enum Error {
         what: String,
     },
 
+    /// The changelog topic cannot serve as one, or what it holds cannot be
+    /// read: its layout is wrong, it was deleted or truncated, a record is
+    /// damaged or foreign, or its records are not acked. Never an empty
+    /// restore in its place.
+    #[error("changelog topic {topic}{}{}: {what}", partition.map(|p| format!(" partition {p}")).unwrap_or_default(), offset.map(|o| format!(" at offset {o}")).unwrap_or_default())]
+    Changelog {
+        /// The changelog topic.
+        topic: String,
+        /// The changelog partition, when one is concerned.
+        partition: Option<i32>,
+        /// The offset, when one is concerned.
+        offset: Option<i64>,
+        /// What is wrong, and what to do.
+        what: String,
+    },
+
     /// An I/O error outside the store.
     #[error("I/O failed: {0}")]
     Io(#[from] std::io::Error),
@@ -346,6 +362,7 @@ impl Error {
             Error::Stopped { .. } => "stopped",
             Error::Encode { .. } => "encode",
             Error::StateFolder { .. } => "state_folder",
+            Error::Changelog { .. } => "changelog",
             Error::Io(_) => "io",
         }
     }

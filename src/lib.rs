@@ -111,6 +111,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 #![warn(missing_docs)]
 
+mod changelog;
 mod error;
 pub mod fingerprint;
 mod folder;

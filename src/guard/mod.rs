@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
 
+use crate::changelog::{Shipment, Shipped};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::index::{
@@ -96,6 +97,7 @@ pub struct GuardBuilder {
     retention_time: Option<Duration>,
     chunk_records: usize,
     max_memory_bytes: Option<u64>,
+    journal: bool,
 }
 
 impl GuardBuilder {
@@ -145,6 +147,16 @@ impl GuardBuilder {
     /// exceeded when they alone exceed it.
     pub fn max_memory_bytes(mut self, bytes: Option<u64>) -> Self {
         self.max_memory_bytes = bytes;
+        self
+    }
+
+    /// Keep, besides the index, each lane's content of the open epoch, so
+    /// that it can be shipped to a changelog ([`Guard::ship_open`]).
+    /// Default false. It costs a copy of the open epoch's identities in
+    /// memory.
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) fn journal(mut self, yes: bool) -> Self {
+        self.journal = yes;
         self
     }
 
@@ -250,6 +262,9 @@ struct Lane {
     persisted: bool,
     next_seq: u64,
     position: Option<u64>,
+    /// With a journal: what the lane handled in the open epoch, all of it
+    /// (every chunk written, the pending one not yet).
+    journal: Chunk,
 }
 
 /// The engine over one state folder.
@@ -284,6 +299,12 @@ pub struct Guard {
     oldest: u64,
     /// Epochs below it keep their content hashes on disk.
     floor: u64,
+    /// With a journal: the number of changelog parts of each lane's sealed
+    /// live epochs, (lane, epoch) to parts, for their tombstones.
+    shipped: BTreeMap<(u32, u64), u32>,
+    /// With a journal: what a checkpoint leaves to ship after it (the
+    /// offsets carried into the new epoch, the dropped epochs' tombstones).
+    after: Vec<Shipment>,
 }
 
 impl Guard {
@@ -296,6 +317,7 @@ impl Guard {
             retention_time: None,
             chunk_records: 10_000,
             max_memory_bytes: None,
+            journal: false,
         }
     }
 
@@ -328,6 +350,8 @@ impl Guard {
             pending_total: 0,
             oldest,
             floor: oldest,
+            shipped: BTreeMap::new(),
+            after: Vec::new(),
         };
         guard.restore_lanes(loaded.lanes)?;
         let (floor, disk_counts) = guard.memory_floor()?;
@@ -427,11 +451,21 @@ impl Guard {
         let mut in_memory: Vec<Vec<u128>> = vec![Vec::new(); self.lanes.len()];
         let path = self.store.path().to_owned();
         let lanes = &mut self.lanes;
+        let journal = self.cfg.journal;
+        let mut counts: BTreeMap<(u32, u64), [u64; 3]> = BTreeMap::new();
         self.store.load_chunks(oldest, |e, lane, chunk| {
             let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
                 path: path.clone(),
                 what: format!("a chunk names lane {lane}, which is not in the lane table"),
             })?;
+            if journal && e == epoch {
+                crate::changelog::merge(&mut l.journal, chunk.clone());
+            } else if journal {
+                let c = counts.entry((lane, e)).or_default();
+                c[0] += chunk.hashes.len() as u64;
+                c[1] += chunk.ids.len();
+                c[2] += chunk.offsets.len();
+            }
             l.index.merge_offsets(e, &chunk.offsets);
             l.index.merge_ids(e, &chunk.ids);
             if e >= floor {
@@ -452,6 +486,10 @@ impl Guard {
             l.index.load_hashes(hashes);
             l.index.seal_loaded();
         }
+        self.shipped = counts
+            .into_iter()
+            .map(|(k, [h, i, o])| (k, crate::changelog::parts_for(h, i, o)))
+            .collect();
         if floor > covered {
             for v in &mut to_spill {
                 v.sort_unstable();
@@ -488,6 +526,7 @@ impl Guard {
             persisted,
             next_seq: 0,
             position: None,
+            journal: Chunk::default(),
         });
         id
     }
@@ -871,9 +910,13 @@ impl Guard {
         for id in named {
             self.lanes[id as usize].persisted = true;
         }
+        let journal = self.cfg.journal;
         for id in written {
             let l = &mut self.lanes[id as usize];
-            l.pending = Chunk::default();
+            let pending = std::mem::take(&mut l.pending);
+            if journal {
+                crate::changelog::merge(&mut l.journal, pending);
+            }
             l.pending_records = 0;
             l.next_seq += 1;
         }
@@ -1007,6 +1050,9 @@ impl Guard {
         for (lane, p) in positions {
             self.lanes[lane.0 as usize].position = Some(*p);
         }
+        if self.cfg.journal {
+            self.journal_advance(next, keep_from, carried);
+        }
         self.epoch = next;
         self.epochs = manifest.epochs.clone();
         self.manifest = Some(manifest);
@@ -1027,6 +1073,114 @@ impl Guard {
             l.index.merge_offsets(next, &chunk.offsets);
             l.next_seq = 1;
         }
+    }
+
+    /// The journal at a checkpoint that opens `next`: the closed epoch's
+    /// parts are noted, the dropped epochs' tombstones and the carried
+    /// offsets are left to ship after the checkpoint.
+    fn journal_advance(&mut self, next: u64, keep_from: u64, carried: &[(u32, Chunk)]) {
+        let closed = self.epoch;
+        for (id, l) in self.lanes.iter_mut().enumerate() {
+            let c = std::mem::take(&mut l.journal);
+            if c != Chunk::default() {
+                let parts = crate::changelog::parts_for(
+                    c.hashes.len() as u64,
+                    c.ids.len(),
+                    c.offsets.len(),
+                );
+                self.shipped.insert((id as u32, closed), parts);
+            }
+        }
+        for ((lane, epoch), parts) in std::mem::take(&mut self.shipped) {
+            if epoch < keep_from {
+                let name = &self.lanes[lane as usize].name;
+                self.after.push(Shipment {
+                    topic: name.topic.clone(),
+                    partition: name.partition,
+                    epoch,
+                    what: Shipped::Tombstones(parts),
+                });
+            } else {
+                self.shipped.insert((lane, epoch), parts);
+            }
+        }
+        for (id, chunk) in carried {
+            let l = &mut self.lanes[*id as usize];
+            l.journal = chunk.clone();
+            self.after.insert(
+                0,
+                Shipment {
+                    topic: l.name.topic.clone(),
+                    partition: l.name.partition,
+                    epoch: next,
+                    what: Shipped::Parts(crate::changelog::split(chunk)),
+                },
+            );
+        }
+    }
+
+    /// For a changelog: writes every pending chunk, then returns the parts
+    /// of each lane's open epoch, all of it, to be shipped (and acked)
+    /// before the checkpoint that closes it. Needs
+    /// [`GuardBuilder::journal`]; empty without it.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`], or a store error (which poisons the guard).
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) fn ship_open(&mut self) -> Result<Vec<Shipment>> {
+        self.flush()?;
+        let epoch = self.epoch;
+        Ok(self
+            .lanes
+            .iter()
+            .filter(|l| l.journal != Chunk::default())
+            .map(|l| Shipment {
+                topic: l.name.topic.clone(),
+                partition: l.name.partition,
+                epoch,
+                what: Shipped::Parts(crate::changelog::split(&l.journal)),
+            })
+            .collect())
+    }
+
+    /// For a changelog: what the last checkpoints left to ship after them,
+    /// the offsets they carried into the open epoch first, then the
+    /// tombstones of the epochs they dropped.
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) fn take_after_checkpoint(&mut self) -> Vec<Shipment> {
+        std::mem::take(&mut self.after)
+    }
+
+    /// Takes over identities another instance handled (restored from a
+    /// changelog): every offset, hash and id of `chunk` not live in the
+    /// lane already is recorded in the open epoch, as handled now. Returns
+    /// how many were.
+    ///
+    /// # Errors
+    /// As [`Guard::record`].
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) fn import(&mut self, lane: LaneId, chunk: &Chunk) -> Result<u64> {
+        self.ready()?;
+        self.lane_ref(lane)?;
+        let lane = lane.0 as usize;
+        let mut n = 0;
+        let mut one = |g: &mut Guard, offset: Option<u64>, fp: Option<Fingerprint>| -> Result<()> {
+            if g.find(lane, offset, fp)?.is_none() {
+                g.record_found(lane, offset, fp, None)?;
+                n += 1;
+            }
+            Ok(())
+        };
+        for &h in &chunk.hashes {
+            one(self, None, Some(Fingerprint::Hash(h)))?;
+        }
+        for id in &chunk.ids {
+            one(self, None, Some(Fingerprint::Id(id)))?;
+        }
+        for o in &chunk.offsets {
+            one(self, Some(o), None)?;
+        }
+        Ok(n)
     }
 
     /// Per lane, the offsets at or past its position (after this checkpoint)

@@ -1017,3 +1017,116 @@ fn batched_calls_answer_like_single_ones() -> Result<()> {
     assert!(verdicts.is_empty());
     Ok(())
 }
+
+mod journal {
+    use super::super::*;
+    use crate::changelog::{Shipment, Shipped};
+
+    fn open(dir: &Path) -> Guard {
+        Guard::builder(dir)
+            .retention_epochs(1)
+            .journal(true)
+            .open()
+            .unwrap_or_else(|e| panic!("open: {e}"))
+    }
+
+    fn hash(n: u64) -> Option<Fingerprint> {
+        Some(Fingerprint::content(None, Some(&n.to_be_bytes())))
+    }
+
+    fn content(shipped: &[Shipment]) -> Chunk {
+        let mut all = Chunk::default();
+        for s in shipped {
+            if let Shipped::Parts(parts) = &s.what {
+                for p in parts {
+                    crate::changelog::merge(&mut all, p.clone());
+                }
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn the_open_epoch_ships_whole_and_dropped_epochs_leave_by_tombstones_across_a_restart()
+    -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let mut g = open(dir.path());
+        let lane = g.lane("t", 3);
+        for n in 0..5 {
+            g.record(lane, Some(n), hash(n))?;
+        }
+        g.flush()?;
+        g.record(lane, Some(5), hash(5))?;
+        let shipped = g.ship_open()?;
+        assert_eq!(shipped.len(), 1);
+        assert_eq!(
+            (
+                shipped[0].topic.as_str(),
+                shipped[0].partition,
+                shipped[0].epoch
+            ),
+            ("t", 3, 0)
+        );
+        let c = content(&shipped);
+        assert_eq!(c.hashes.len(), 6, "the flushed chunk and the pending one");
+        assert_eq!(c.offsets.len(), 6);
+        g.checkpoint(&[(lane, 6)], Vec::new())?;
+        assert_eq!(g.take_after_checkpoint(), Vec::new(), "epoch 0 is kept");
+        // Epoch 1: two records, written, then a crash before its checkpoint.
+        g.record(lane, Some(6), hash(6))?;
+        g.record(lane, Some(7), hash(7))?;
+        g.flush()?;
+        drop(g);
+        let mut g = open(dir.path());
+        let lane = g.lane("t", 3);
+        let again = g.ship_open()?;
+        assert_eq!(content(&again).hashes.len(), 2, "the open epoch, reloaded");
+        assert_eq!(again[0].epoch, 1);
+        g.checkpoint(&[(lane, 8)], Vec::new())?;
+        // Epoch 0, shipped before the restart, is dropped: its tombstone.
+        let after = g.take_after_checkpoint();
+        assert_eq!(
+            after,
+            vec![Shipment {
+                topic: "t".into(),
+                partition: 3,
+                epoch: 0,
+                what: Shipped::Tombstones(1),
+            }]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn imported_identities_are_duplicates_and_ship_as_this_guards() -> Result<()> {
+        let (a, b) = (tempfile::tempdir()?, tempfile::tempdir()?);
+        let mut g = open(a.path());
+        let lane = g.lane("t", 0);
+        for n in 10..20 {
+            g.record(lane, Some(n), hash(n))?;
+        }
+        let c = content(&g.ship_open()?);
+        let mut other = open(b.path());
+        let lane_b = other.lane("t", 0);
+        other.record(lane_b, Some(10), hash(10))?;
+        assert_eq!(
+            other.import(lane_b, &c)?,
+            18,
+            "9 hashes and 9 offsets are new"
+        );
+        assert_eq!(other.import(lane_b, &c)?, 0);
+        for n in 10..20 {
+            assert!(
+                !other.check(lane_b, None, hash(n))?.is_fresh(),
+                "{n} by content"
+            );
+            assert!(
+                !other.check(lane_b, Some(n), None)?.is_fresh(),
+                "{n} by position"
+            );
+        }
+        assert!(other.check(lane_b, Some(20), hash(20))?.is_fresh());
+        assert_eq!(content(&other.ship_open()?).hashes.len(), 10);
+        Ok(())
+    }
+}

@@ -114,22 +114,42 @@ impl GuardedConsumerBuilder {
         o.validate()?;
         let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-        setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
+        let counts = setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
         let guard = o.open(&self.state)?;
-        let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label());
+        let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label())
+            .with_changelog(o.changelog.clone());
+        // The changelog is checked before the folder is bound to it.
+        let token = setup::instance_token(&self.state)?;
+        let changelog = super::changelog::Changelog::for_options(
+            &self.config,
+            o,
+            counts.iter().copied().max().unwrap_or(1),
+            &token,
+        )?;
         crate::job::bind(&self.state, &job, o.rebind)?;
         let instance = setup::instance_id(&self.state, &group, &self.topics)?;
         let cfg = setup::guarded_consumer_config(&self.config, &instance, o.stop_at_end)?;
         let fenced = !setup::fault("no-fencing");
         let lease = o.lease.unwrap_or_else(|| setup::lease_length(&cfg));
+        let mut shared = Shared::new(Some(guard));
+        if changelog.is_some() {
+            // The changelog's ends go into the manifest and commit metadata.
+            shared.sink = Some(super::shared::resumed_sink(
+                shared.guard.as_ref(),
+                "",
+                &token,
+                Duration::ZERO,
+            ));
+        }
         let core = Arc::new(Core {
-            shared: Arc::new(Mutex::new(Shared::new(Some(guard)))),
+            shared: Arc::new(Mutex::new(shared)),
             hooks: Box::new(NoHooks),
             timeout: o.timeout,
             brokers: setup::brokers(&self.config),
-            instance: setup::instance_token(&self.state)?,
+            instance: token,
             fenced,
             lease: Lease::new(lease, fenced),
+            changelog,
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             cfg.create_with_context(GuardContext { core: core.clone() })

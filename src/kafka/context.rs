@@ -94,6 +94,8 @@ pub(crate) struct Core {
     /// Whether fencing is on: the lease, and new owners' waits.
     pub fenced: bool,
     pub lease: Lease,
+    /// The changelog, when the identities are kept in one.
+    pub changelog: Option<super::changelog::Changelog>,
 }
 
 /// Offsets to commit, with metadata, as librdkafka takes them.
@@ -394,7 +396,14 @@ impl Core {
                     });
                 }
             }
-            s.checkpoint(leaving, leaving.is_some())?
+            if let Some(cl) = &self.changelog {
+                cl.before_checkpoint(&mut s)?;
+            }
+            let done = s.checkpoint(leaving, leaving.is_some())?;
+            if let Some(cl) = &self.changelog {
+                cl.after_checkpoint(&mut s)?;
+            }
+            done
         };
         let tpl = commit_list(&positions, &meta)?;
         self.commit(consumer, &tpl, mode)
@@ -480,6 +489,9 @@ impl Core {
         let mut arrival = Arrival::default();
         for e in committed.elements() {
             self.arrive(consumer, e, &mut arrival)?;
+        }
+        if let Some(cl) = &self.changelog {
+            self.restore(cl, &arrival.starts, manifest_sink.as_ref())?;
         }
         if self.hooks.writes() {
             match arrival.zombie.filter(|(w, _)| self.fenced && !w.is_zero()) {
@@ -592,6 +604,36 @@ impl Core {
         t.inflight.clear();
         t.inflight_fps.clear();
         arrival.starts.push((topic, p, start));
+        Ok(())
+    }
+
+    /// Takes over, from the changelog, the identities other instances
+    /// handled in the arriving partitions (see [`super::changelog`]).
+    fn restore(
+        &self,
+        cl: &super::changelog::Changelog,
+        arriving: &[(String, i32, Option<i64>)],
+        manifest: Option<&SinkPositions>,
+    ) -> Result<()> {
+        for (topic, p, _) in arriving {
+            let Some(lane) = self.lock().lane(topic, *p) else {
+                continue;
+            };
+            let local_end = manifest.and_then(|m| m.changelog.get(p).copied());
+            let started = Instant::now();
+            let restored = cl.restore(&self.shared, lane, topic, *p, local_end)?;
+            if restored.records > 0 {
+                tracing::info!(
+                    topic = %topic,
+                    partition = p,
+                    changelog = %cl.topic,
+                    records = restored.records,
+                    identities = restored.identities,
+                    ms = started.elapsed().as_millis() as u64,
+                    "identities handled by another instance restored from the changelog"
+                );
+            }
+        }
         Ok(())
     }
 

@@ -86,6 +86,7 @@
 
 #[cfg(feature = "baselines")]
 pub mod baseline;
+mod changelog;
 mod consumer;
 mod context;
 mod headers;

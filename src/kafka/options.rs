@@ -40,6 +40,7 @@ pub struct GuardOptions {
     pub(crate) timeout: Duration,
     pub(crate) lease: Option<Duration>,
     pub(crate) rebind: bool,
+    pub(crate) changelog: Option<String>,
 }
 
 impl Default for GuardOptions {
@@ -56,6 +57,7 @@ impl Default for GuardOptions {
             timeout: Duration::from_secs(30),
             lease: None,
             rebind: false,
+            changelog: None,
         }
     }
 }
@@ -149,6 +151,25 @@ impl GuardOptions {
         self
     }
 
+    /// Keep the identities in a changelog topic too, so that they outlive
+    /// this machine: a partition that moves to an instance with an empty
+    /// or older state folder takes them over from the topic before it
+    /// delivers anything. Default none: identities live only in this
+    /// instance's folder, and a partition that moves keeps only its
+    /// positions (a resend of a record handled elsewhere passes).
+    ///
+    /// The topic is created if missing (compacted, with as many partitions
+    /// as the inputs have); one that exists must be compacted and have at
+    /// least that many. Each checkpoint ships the open epoch's identities
+    /// and waits for the acks before it moves, so an acked record survives
+    /// the loss of the machine from the next checkpoint on (at most one
+    /// `checkpoint_interval` later). A state folder keeps the changelog it
+    /// was bound with.
+    pub fn changelog(mut self, topic: impl Into<String>) -> Self {
+        self.changelog = Some(topic.into());
+        self
+    }
+
     /// Checks every option against its bounds (the engine checks its own
     /// when it opens).
     ///
@@ -177,6 +198,18 @@ impl GuardOptions {
         ) {
             return Err(Error::Config("timeout must be between 1s and 1h".into()));
         }
+        if self.changelog.as_deref().is_some_and(|t| {
+            t.is_empty()
+                || t.len() > 249
+                || !t
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        }) {
+            return Err(Error::Config(
+                "changelog must be a topic name: 1 to 249 of a-z, A-Z, 0-9, '.', '_' and '-'"
+                    .into(),
+            ));
+        }
         if self
             .lease
             .is_some_and(|l| !within(l, Duration::from_millis(100), Duration::from_secs(3600)))
@@ -193,6 +226,7 @@ impl GuardOptions {
             .retention_epochs(self.retention_epochs)
             .retention_time(self.retention_time)
             .max_memory_bytes(self.max_memory_bytes)
+            .journal(self.changelog.is_some())
             .open()
     }
 }

@@ -74,6 +74,37 @@ pub(crate) struct SinkPositions {
     /// how long a new owner that got no clean handover waits.
     #[serde(rename = "w", default)]
     pub in_flight_ms: u64,
+    /// With a changelog: changelog partition to the offset after this
+    /// instance's last acked record there, as of the checkpoint.
+    #[serde(rename = "l", default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub changelog: BTreeMap<i32, i64>,
+}
+
+/// The sink positions a run starts with: those of the folder's last
+/// checkpoint, when it wrote to `output` (`""` for a guarded consumer,
+/// which keeps only the changelog's), and this instance's token.
+pub(crate) fn resumed_sink(
+    guard: Option<&Guard>,
+    output: &str,
+    token: &str,
+    in_flight: std::time::Duration,
+) -> SinkPositions {
+    let last = guard
+        .and_then(Guard::manifest)
+        .and_then(|m| serde_json::from_slice::<SinkPositions>(&m.sink).ok())
+        .unwrap_or_default();
+    SinkPositions {
+        topic: output.to_owned(),
+        ends: if last.topic == output {
+            last.ends
+        } else {
+            BTreeMap::new()
+        },
+        instance: token.to_owned(),
+        clean: false,
+        in_flight_ms: in_flight.as_millis() as u64,
+        changelog: last.changelog,
+    }
 }
 
 /// Counters shared across threads.

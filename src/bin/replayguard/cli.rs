@@ -138,6 +138,14 @@ pub struct GuardArgs {
     /// this way; that needs a new folder (or `replayguard reset`).
     #[arg(long)]
     pub rebind: bool,
+
+    /// Keep the identities in this Kafka topic too, so that they outlive
+    /// the machine: a partition that moves to an instance with an empty
+    /// or older state folder takes them over before it delivers anything.
+    /// Created if missing (compacted, a partition per input partition).
+    /// An acked record is in it from the next checkpoint on.
+    #[arg(long, value_name = "TOPIC")]
+    pub changelog: Option<String>,
 }
 
 /// Copy records from an input topic to an output topic, each exactly once.
@@ -298,6 +306,9 @@ impl GuardArgs {
             .rebind(self.rebind);
         if let Some(lease) = self.lease {
             o = o.lease(lease);
+        }
+        if let Some(topic) = &self.changelog {
+            o = o.changelog(topic.clone());
         }
         o
     }

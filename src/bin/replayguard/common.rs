@@ -88,7 +88,8 @@ impl Failure {
 
 /// A library refusal of an option, said in terms of the flag that set it.
 fn in_flag_terms(msg: &str) -> String {
-    const FLAGS: [(&str, &str); 4] = [
+    const FLAGS: [(&str, &str); 5] = [
+        ("changelog ", "--changelog: the changelog "),
         (
             "checkpoint_interval ",
             "--checkpoint-interval: the checkpoint interval ",

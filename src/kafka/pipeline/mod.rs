@@ -25,8 +25,7 @@ use super::lease::{Lease, Watchdog};
 use super::options::GuardOptions;
 use super::reconcile::Reconciler;
 use super::setup::{self, kafka};
-use super::shared::{Shared, SinkPositions};
-use crate::Guard;
+use super::shared::Shared;
 use crate::error::{Error, Result};
 use crate::guard::Stats;
 use crate::job::{Job, JobKind};
@@ -186,10 +185,31 @@ impl GuardedPipelineBuilder {
         let out_partitions = counts.last().copied().unwrap_or(1);
         let guard = o.open(&self.state)?;
         let job = Job::new(JobKind::Pipeline, &group, &self.inputs, o.identity.label())
-            .with_output(&output);
+            .with_output(&output)
+            .with_changelog(o.changelog.clone());
+        // The changelog is checked before the folder is bound to it.
+        let token = setup::instance_token(&self.state)?;
+        let changelog = match self.mode {
+            Mode::Guarded => super::changelog::Changelog::for_options(
+                &self.consumer,
+                o,
+                counts[..counts.len().saturating_sub(1)]
+                    .iter()
+                    .copied()
+                    .max()
+                    .unwrap_or(1),
+                &token,
+            )?,
+            _ if o.changelog.is_some() => {
+                return Err(Error::Config(
+                    "changelog is for the guarded mode only: the baselines keep no identities"
+                        .into(),
+                ));
+            }
+            _ => None,
+        };
         crate::job::bind(&self.state, &job, o.rebind)?;
         let instance = setup::instance_id(&self.state, &group, &self.inputs)?;
-        let token = setup::instance_token(&self.state)?;
         let consumer_cfg =
             setup::guarded_consumer_config(&self.consumer, &instance, o.stop_at_end)?;
         let guarded = self.mode == Mode::Guarded;
@@ -209,7 +229,7 @@ impl GuardedPipelineBuilder {
             _ => None,
         };
         let mut shared = Shared::new(guarded.then_some(guard));
-        shared.sink = Some(resumed_sink(
+        shared.sink = Some(crate::kafka::shared::resumed_sink(
             shared.guard.as_ref(),
             &output,
             &token,
@@ -239,6 +259,7 @@ impl GuardedPipelineBuilder {
             instance: token,
             fenced,
             lease: Lease::new(lease, fenced),
+            changelog,
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg
@@ -261,30 +282,6 @@ impl GuardedPipelineBuilder {
             stop_at_end: self.options.stop_at_end,
             timeout: self.options.timeout,
         })
-    }
-}
-
-/// The sink positions a pipeline starts from: they carry on from the last
-/// manifest (reconciliation advances them once it has read the output),
-/// written by this instance, not yet handed over cleanly.
-fn resumed_sink(
-    guard: Option<&Guard>,
-    output: &str,
-    token: &str,
-    in_flight: Duration,
-) -> SinkPositions {
-    let ends = guard
-        .and_then(Guard::manifest)
-        .and_then(|m| serde_json::from_slice::<SinkPositions>(&m.sink).ok())
-        .filter(|sink| sink.topic == output)
-        .map(|sink| sink.ends)
-        .unwrap_or_default();
-    SinkPositions {
-        topic: output.to_owned(),
-        ends,
-        instance: token.to_owned(),
-        clean: false,
-        in_flight_ms: in_flight.as_millis() as u64,
     }
 }
 

@@ -1,0 +1,576 @@
+//! The changelog topic: a guard's identities kept in Kafka, so that a
+//! partition that moves to an instance without its state folder (a lost
+//! machine, a scale-out, a reschedule) still filters what was handled.
+//!
+//! - **Layout.** One changelog partition per input partition number
+//!   (input partition `p`, of any input topic, goes to changelog
+//!   partition `p`), `cleanup.policy=compact`. Created if missing; an
+//!   existing topic with too few partitions or without compaction is
+//!   refused.
+//! - **Writes.** Before each checkpoint, every lane's open epoch is
+//!   produced whole (see [`crate::changelog`] for the records), with the
+//!   idempotent producer, and the checkpoint waits for the acks: the
+//!   manifest and the committed offsets never move past identities the
+//!   changelog does not hold. After it, the offsets the checkpoint carried
+//!   into the new epoch, then the tombstones of the epochs it dropped.
+//!   The changelog's end offsets go into the manifest and the commit
+//!   metadata.
+//! - **Restore.** On assign, a partition whose changelog partition ends
+//!   where this folder's last checkpoint left it reads nothing. Otherwise
+//!   the records written since are read; if another instance wrote any,
+//!   the whole partition is read, and every live identity another
+//!   instance shipped for the arriving lane is taken into the open epoch
+//!   (so it lives one retention from now), before any record of the lane
+//!   is delivered. The next checkpoint ships them as this instance's, and
+//!   then writes tombstones over the other instance's records.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{DeliveryResult, Message};
+use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+
+use super::setup::{self, kafka};
+use super::shared::Shared;
+use crate::changelog::{ChangelogKey, Shipment, Shipped, decode_value, encode_value};
+use crate::error::{Error, Result};
+use crate::guard::LaneId;
+
+/// Topic settings of a changelog this guard creates: compacted, with
+/// segments that roll often enough for compaction to reach them, and
+/// tombstones kept a day for slow readers.
+const CREATED_CONFIG: [(&str, &str); 4] = [
+    ("cleanup.policy", "compact"),
+    ("segment.ms", "3600000"),
+    ("segment.bytes", "67108864"),
+    ("delete.retention.ms", "86400000"),
+];
+
+/// The acks of the changelog producer.
+#[derive(Default)]
+struct Acks {
+    /// Changelog partition to the offset after its last acked record.
+    ends: BTreeMap<i32, i64>,
+    /// The first failed delivery.
+    failed: Option<String>,
+}
+
+/// The changelog producer's context: it notes acks and failures.
+pub(crate) struct AckContext {
+    acks: Mutex<Acks>,
+}
+
+impl AckContext {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Acks> {
+        self.acks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl ClientContext for AckContext {}
+
+impl ProducerContext for AckContext {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        let mut a = self.lock();
+        match result {
+            Ok(m) => {
+                let end = a.ends.entry(m.partition()).or_insert(0);
+                *end = (*end).max(m.offset() + 1);
+            }
+            Err((e, m)) => {
+                if a.failed.is_none() {
+                    a.failed = Some(format!("partition {}: {e}", m.partition()));
+                }
+            }
+        }
+    }
+}
+
+/// A guard's changelog: its producer, and how to read it back.
+pub(crate) struct Changelog {
+    pub topic: String,
+    /// This instance's token, the writer in every key it writes.
+    writer: String,
+    producer: ThreadedProducer<AckContext>,
+    /// Connection settings, for the restore reader.
+    connection: ClientConfig,
+    timeout: Duration,
+    /// Other instances' records whose identities were taken over: their
+    /// tombstones follow the next checkpoint, which ships those
+    /// identities as this instance's.
+    taken_over: Mutex<Vec<ChangelogKey>>,
+}
+
+/// What one restore did, for logs and tests.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Restored {
+    pub records: u64,
+    pub identities: u64,
+}
+
+impl Changelog {
+    /// The changelog the options name, if they name one.
+    ///
+    /// # Errors
+    /// As [`Changelog::open`].
+    pub fn for_options(
+        user: &ClientConfig,
+        o: &super::GuardOptions,
+        partitions: usize,
+        writer: &str,
+    ) -> Result<Option<Self>> {
+        o.changelog
+            .as_deref()
+            .map(|topic| Self::open(user, topic, partitions, writer, o.timeout))
+            .transpose()
+    }
+
+    /// Checks or creates the topic (with at least `partitions`
+    /// partitions), and starts the producer.
+    ///
+    /// # Errors
+    /// [`Error::Changelog`] for a topic of the wrong layout;
+    /// [`Error::Kafka`] when the broker cannot be asked.
+    pub fn open(
+        user: &ClientConfig,
+        topic: &str,
+        partitions: usize,
+        writer: &str,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let connection = setup::connection_config(user);
+        ensure_topic(&connection, topic, partitions, timeout)?;
+        let mut cfg = setup::idempotent_producer_config(&connection)?;
+        cfg.set("linger.ms", "5");
+        cfg.set("compression.type", "lz4");
+        let producer: ThreadedProducer<AckContext> = cfg
+            .create_with_context(AckContext {
+                acks: Mutex::new(Acks::default()),
+            })
+            .map_err(kafka("creating the changelog producer"))?;
+        Ok(Changelog {
+            topic: topic.to_owned(),
+            writer: writer.to_owned(),
+            producer,
+            connection,
+            timeout,
+            taken_over: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn error(&self, partition: Option<i32>, offset: Option<i64>, what: String) -> Error {
+        Error::Changelog {
+            topic: self.topic.clone(),
+            partition,
+            offset,
+            what,
+        }
+    }
+
+    /// Hands one record to the producer, waiting while its queue is full.
+    fn send(&self, partition: i32, key: &[u8], value: Option<&[u8]>) -> Result<()> {
+        let started = Instant::now();
+        loop {
+            let mut record = BaseRecord::<[u8], [u8]>::to(&self.topic)
+                .partition(partition)
+                .key(key);
+            if let Some(v) = value {
+                record = record.payload(v);
+            }
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
+                    if started.elapsed() < self.timeout =>
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err((e, _)) => {
+                    return Err(self.error(Some(partition), None, format!("cannot produce: {e}")));
+                }
+            }
+        }
+    }
+
+    /// Hands shipments to the producer (no wait for their acks).
+    fn send_all(&self, shipments: &[Shipment]) -> Result<()> {
+        for s in shipments {
+            let key = |part: u32| {
+                ChangelogKey {
+                    writer: self.writer.clone(),
+                    topic: s.topic.clone(),
+                    partition: s.partition,
+                    epoch: s.epoch,
+                    part,
+                }
+                .encode()
+            };
+            match &s.what {
+                Shipped::Parts(parts) => {
+                    for (i, part) in parts.iter().enumerate() {
+                        let value = encode_value(part)?;
+                        self.send(s.partition, &key(i as u32), Some(&value))?;
+                    }
+                }
+                Shipped::Tombstones(n) => {
+                    for i in 0..*n {
+                        self.send(s.partition, &key(i), None)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every record handed over is acked, and returns the
+    /// changelog's end offsets.
+    fn wait_acked(&self) -> Result<BTreeMap<i32, i64>> {
+        self.producer.flush(self.timeout).map_err(|e| {
+            self.error(
+                None,
+                None,
+                format!("records not acked within {:?}: {e}", self.timeout),
+            )
+        })?;
+        let a = self.producer.context().lock();
+        if let Some(f) = &a.failed {
+            return Err(self.error(None, None, format!("a record was not written: {f}")));
+        }
+        Ok(a.ends.clone())
+    }
+
+    /// Before a checkpoint: ships every lane's open epoch and waits for the
+    /// acks, then notes the end offsets where the checkpoint records them.
+    ///
+    /// # Errors
+    /// A store failure, or records not acked (the checkpoint must then not
+    /// be taken).
+    pub fn before_checkpoint(&self, s: &mut Shared) -> Result<()> {
+        let Some(guard) = s.guard.as_mut() else {
+            return Ok(());
+        };
+        let open = guard.ship_open()?;
+        self.send_all(&open)?;
+        let ends = self.wait_acked()?;
+        if let Some(sink) = s.sink.as_mut() {
+            sink.changelog.extend(ends);
+        }
+        Ok(())
+    }
+
+    /// After a checkpoint: ships what it carried into the new epoch, the
+    /// tombstones of the epochs it dropped, and those of other instances'
+    /// records taken over before it.
+    ///
+    /// # Errors
+    /// Records that cannot be handed to the producer.
+    pub fn after_checkpoint(&self, s: &mut Shared) -> Result<()> {
+        let Some(guard) = s.guard.as_mut() else {
+            return Ok(());
+        };
+        let after = guard.take_after_checkpoint();
+        self.send_all(&after)?;
+        let taken: Vec<ChangelogKey> = std::mem::take(
+            &mut *self
+                .taken_over
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for k in taken {
+            self.send(k.partition, &k.encode(), None)?;
+        }
+        Ok(())
+    }
+
+    /// Restores an arriving lane from the changelog when another instance
+    /// wrote to its changelog partition since this folder's last
+    /// checkpoint (`local_end`, `None` when it has none).
+    ///
+    /// # Errors
+    /// [`Error::Changelog`] for a topic that is missing, ends below what
+    /// this folder wrote, or holds a record that is not a replayguard
+    /// changelog record; a store failure while importing.
+    pub fn restore(
+        &self,
+        s: &std::sync::Mutex<Shared>,
+        lane: LaneId,
+        topic: &str,
+        partition: i32,
+        local_end: Option<i64>,
+    ) -> Result<Restored> {
+        let reader = self.reader()?;
+        let (lo, hi) = reader
+            .fetch_watermarks(&self.topic, partition, self.timeout)
+            .map_err(|e| {
+                self.error(
+                    Some(partition),
+                    None,
+                    format!("cannot read its watermarks (was it deleted?): {e}"),
+                )
+            })?;
+        if let Some(end) = local_end {
+            if hi < end {
+                return Err(self.error(
+                    Some(partition),
+                    Some(hi),
+                    format!(
+                        "it ends at offset {hi}, below offset {end} where this state folder's last checkpoint left it: it was deleted, recreated or truncated; the identities it held are gone (restore the topic, or re-bind the folder with a new changelog on purpose)"
+                    ),
+                ));
+            }
+            if lo > end {
+                return Err(self.error(
+                    Some(partition),
+                    Some(lo),
+                    format!(
+                        "it starts at offset {lo}, past offset {end} where this state folder's last checkpoint left it: records were deleted (retention or DeleteRecords), so what other instances wrote may be gone; a changelog must be compacted, not deleted"
+                    ),
+                ));
+            }
+            if hi == end {
+                return Ok(Restored::default());
+            }
+        }
+        if hi <= lo {
+            return Ok(Restored::default());
+        }
+        let from = local_end.unwrap_or(lo);
+        if local_end.is_some() {
+            let mut foreign = false;
+            self.read(&reader, partition, from, hi, |key, _| {
+                foreign |= key.writer != self.writer;
+                Ok(())
+            })?;
+            if !foreign {
+                return Ok(Restored::default());
+            }
+        }
+        // The whole partition, the latest record of each key, this lane's
+        // only, written by other instances.
+        let mut live: HashMap<ChangelogKey, (i64, Vec<u8>)> = HashMap::new();
+        let mut tombstones: Vec<ChangelogKey> = Vec::new();
+        self.read(&reader, partition, lo, hi, |key, record| {
+            if key.topic != topic || key.partition != partition || key.writer == self.writer {
+                return Ok(());
+            }
+            match record {
+                Some((offset, value)) => {
+                    live.insert(key, (offset, value.to_vec()));
+                }
+                None => {
+                    live.remove(&key);
+                    tombstones.push(key);
+                }
+            }
+            Ok(())
+        })?;
+        let mut restored = Restored::default();
+        let mut keys: Vec<ChangelogKey> = live.keys().cloned().collect();
+        keys.sort();
+        for key in keys {
+            let Some((offset, value)) = live.remove(&key) else {
+                continue;
+            };
+            let chunk = decode_value(&value).map_err(|what| {
+                self.error(
+                    Some(partition),
+                    Some(offset),
+                    format!(
+                        "record of {}'s epoch {} is damaged: {what}",
+                        key.writer, key.epoch
+                    ),
+                )
+            })?;
+            let mut shared = s.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(guard) = shared.guard.as_mut() else {
+                return Ok(restored);
+            };
+            restored.identities += guard.import(lane, &chunk)?;
+            restored.records += 1;
+            drop(shared);
+            self.taken_over
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(key);
+        }
+        Ok(restored)
+    }
+
+    /// A reader of the changelog: no group, nothing committed.
+    fn reader(&self) -> Result<BaseConsumer> {
+        let mut cfg = self.connection.clone();
+        cfg.set("group.id", format!("replayguard-changelog-{}", self.writer))
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .set("auto.offset.reset", "earliest");
+        cfg.create().map_err(kafka("creating the changelog reader"))
+    }
+
+    /// Reads `partition` from `from` up to `hi`, handing each record's key
+    /// and, unless it is a tombstone, its offset and value to `f`.
+    fn read(
+        &self,
+        reader: &BaseConsumer,
+        partition: i32,
+        from: i64,
+        hi: i64,
+        mut f: impl FnMut(ChangelogKey, Option<(i64, &[u8])>) -> Result<()>,
+    ) -> Result<()> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(from))
+            .map_err(kafka("building the changelog reader's assignment"))?;
+        reader
+            .assign(&tpl)
+            .map_err(kafka("assigning the changelog partition"))?;
+        let deadline = Instant::now() + self.timeout;
+        let mut next = from;
+        while next < hi {
+            if Instant::now() > deadline {
+                return Err(self.error(
+                    Some(partition),
+                    Some(next),
+                    format!(
+                        "read only up to offset {next} of {hi} within {:?}",
+                        self.timeout
+                    ),
+                ));
+            }
+            let Some(m) = reader.poll(Duration::from_millis(200)) else {
+                continue;
+            };
+            let m = match m {
+                Ok(m) => m,
+                Err(KafkaError::PartitionEOF(_)) => {
+                    // Compaction may have removed the last records.
+                    let (_, now_hi) = reader
+                        .fetch_watermarks(&self.topic, partition, self.timeout)
+                        .map_err(kafka("reading changelog watermarks"))?;
+                    if let Ok(pos) = reader.position()
+                        && let Some(Offset::Offset(p)) = pos
+                            .find_partition(&self.topic, partition)
+                            .map(|e| e.offset())
+                        && p >= hi.min(now_hi)
+                    {
+                        break;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    return Err(self.error(
+                        Some(partition),
+                        Some(next),
+                        format!("cannot read: {e}"),
+                    ));
+                }
+            };
+            next = m.offset() + 1;
+            if m.offset() >= hi {
+                break;
+            }
+            let key = m.key().ok_or_else(|| {
+                self.error(
+                    Some(partition),
+                    Some(m.offset()),
+                    "a record has no key: something other than replayguard writes to this topic"
+                        .into(),
+                )
+            })?;
+            let key = ChangelogKey::decode(key).map_err(|what| {
+                self.error(
+                    Some(partition),
+                    Some(m.offset()),
+                    format!("{what}; something other than replayguard writes to this topic"),
+                )
+            })?;
+            f(key, m.payload().map(|v| (m.offset(), v)))?;
+        }
+        Ok(())
+    }
+}
+
+/// Creates the changelog topic, or checks that an existing one has at
+/// least `partitions` partitions and is compacted.
+fn ensure_topic(
+    connection: &ClientConfig,
+    topic: &str,
+    partitions: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let wrong = |what: String| Error::Changelog {
+        topic: topic.to_owned(),
+        partition: None,
+        offset: None,
+        what,
+    };
+    let admin: AdminClient<DefaultClientContext> = connection
+        .create()
+        .map_err(kafka("creating an admin client"))?;
+    let opts = AdminOptions::new().operation_timeout(Some(timeout));
+    let metadata: BaseConsumer = connection
+        .create()
+        .map_err(kafka("creating a metadata client"))?;
+    let found = metadata
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(kafka("reading the changelog topic's metadata"))?;
+    let existing = found
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().len());
+    match existing {
+        None | Some(0) => {
+            let new = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(-1));
+            let new = CREATED_CONFIG.iter().fold(new, |t, (k, v)| t.set(k, v));
+            let r = futures::executor::block_on(admin.create_topics([&new], &opts))
+                .map_err(kafka("creating the changelog topic"))?;
+            for t in r {
+                match t {
+                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Err((_, code)) => {
+                        return Err(wrong(format!("cannot create it: {code}")));
+                    }
+                }
+            }
+            tracing::info!(topic, partitions, "changelog topic created");
+            Ok(())
+        }
+        Some(n) if n < partitions => Err(wrong(format!(
+            "it has {n} partitions, and the inputs have up to {partitions}: input partition p is kept in changelog partition p, so it needs at least {partitions} (add partitions, or name another topic)"
+        ))),
+        Some(_) => {
+            let described = futures::executor::block_on(
+                admin.describe_configs([&ResourceSpecifier::Topic(topic)], &opts),
+            )
+            .map_err(kafka("reading the changelog topic's configuration"))?;
+            let policy = described
+                .into_iter()
+                .flatten()
+                .flat_map(|r| r.entries)
+                .find(|e| e.name == "cleanup.policy")
+                .and_then(|e| e.value)
+                .unwrap_or_default();
+            if !policy.split(',').any(|p| p.trim() == "compact") {
+                return Err(wrong(format!(
+                    "its cleanup.policy is {policy:?}: a changelog must be compacted (cleanup.policy=compact), or identities still live would be deleted"
+                )));
+            }
+            if policy.split(',').any(|p| p.trim() == "delete") {
+                tracing::warn!(
+                    topic,
+                    policy,
+                    "changelog topic also deletes by retention: live identities older than its retention.ms are lost from it"
+                );
+            }
+            Ok(())
+        }
+    }
+}
