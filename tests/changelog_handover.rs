@@ -152,3 +152,129 @@ async fn a_changelog_topic_of_the_wrong_layout_is_refused_by_name() -> TestResul
     }
     Ok(())
 }
+
+/// A consumer in its own task, acking what it receives into `seen`, until
+/// told to stop; then it closes (a clean revoke).
+fn spawn_reader(
+    c: std::sync::Arc<GuardedConsumer>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+    stop: std::sync::Arc<tokio::sync::Notify>,
+) -> tokio::task::JoinHandle<TestResult> {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                r = c.recv() => {
+                    let Some(r) = r? else { continue };
+                    let v: u64 = std::str::from_utf8(r.message().payload().unwrap_or_default())?.parse()?;
+                    c.ack(&r)?;
+                    seen.lock().map_err(|_| "poisoned")?.push(v);
+                }
+                () = stop.notified() => break,
+            }
+        }
+        let c = std::sync::Arc::into_inner(c).ok_or("the consumer is still shared")?;
+        c.close(Duration::from_secs(10)).await?;
+        Ok(())
+    })
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) -> TestResult {
+    let deadline = std::time::Instant::now() + limit;
+    while !done() {
+        if std::time::Instant::now() > deadline {
+            return Err(format!("timed out waiting for {what}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_from_one_instance_to_two_and_back_delivers_each_record_once_despite_resends()
+-> TestResult {
+    use std::sync::{Arc, Mutex};
+    let broker = KafkaBroker::start(&[("events", 4)])?;
+    let (a_dir, b_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let opts = || {
+        GuardOptions::default()
+            .retention_time(Some(Duration::from_secs(3600)))
+            .checkpoint_interval(Duration::from_millis(200))
+            .changelog("scale-changelog")
+    };
+    let build = |dir: std::path::PathBuf| {
+        let mut cfg = broker.client_config();
+        cfg.set("group.id", "scalers");
+        GuardedConsumer::builder(cfg, dir)
+            .topic("events")
+            .options(opts())
+            .build()
+    };
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let count = |seen: &Arc<Mutex<Vec<u64>>>| seen.lock().map_or(0, |v| v.len());
+    let a = Arc::new(build(a_dir.path().to_owned()).await?);
+    let stop_a = Arc::new(tokio::sync::Notify::new());
+    let task_a = spawn_reader(a.clone(), seen.clone(), stop_a.clone());
+    produce_integers(&broker.bootstrap(), "events", 1..=100)?;
+    wait_for("A to deliver 1..=100", Duration::from_secs(60), || {
+        count(&seen) >= 100
+    })
+    .await?;
+
+    // 1 -> 2: B joins and takes some partitions over from A.
+    let b = Arc::new(build(b_dir.path().to_owned()).await?);
+    let stop_b = Arc::new(tokio::sync::Notify::new());
+    let task_b = spawn_reader(b.clone(), seen.clone(), stop_b.clone());
+    wait_for("B to get partitions", Duration::from_secs(60), || {
+        b.assignment().is_ok_and(|p| !p.is_empty()) && a.assignment().is_ok_and(|p| p.len() < 4)
+    })
+    .await?;
+    println!(
+        "A holds {:?}, B holds {:?}",
+        a.assignment()?,
+        b.assignment()?
+    );
+    drop((a, b));
+    // Every record A handled is resent, then new ones follow.
+    produce_integers(&broker.bootstrap(), "events", 1..=100)?;
+    produce_integers(&broker.bootstrap(), "events", 101..=150)?;
+    wait_for("101..=150", Duration::from_secs(60), || count(&seen) >= 150).await?;
+
+    // 2 -> 1: B leaves; A takes its partitions back, and everything both
+    // handled is resent.
+    stop_b.notify_one();
+    task_b.await??;
+    produce_integers(&broker.bootstrap(), "events", 1..=150)?;
+    produce_integers(&broker.bootstrap(), "events", 151..=160)?;
+    wait_for("151..=160", Duration::from_secs(60), || count(&seen) >= 160).await?;
+    // Room for a late duplicate to show.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_a.notify_one();
+    task_a.await??;
+    let seen = seen.lock().map_err(|_| "poisoned")?.clone();
+    check_each_once(&seen, 1..=160)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_record_in_the_changelog_stops_the_restore_naming_where_it_is() -> TestResult {
+    let broker = KafkaBroker::start(&[("events", 1)])?;
+    produce_integers(&broker.bootstrap(), "events", 1..=10)?;
+    let dir = tempfile::tempdir()?;
+    let c = consumer(&broker, dir.path(), "foreign", Some("events-changelog")).await?;
+    // Something else writes into the changelog.
+    produce_integers(&broker.bootstrap(), "events-changelog", 7..=7)?;
+    drop(dir);
+    c.abort();
+    let dir = tempfile::tempdir()?;
+    let c = consumer(&broker, dir.path(), "foreign", Some("events-changelog")).await?;
+    let e = match c.recv().await {
+        Err(e) => e.to_string(),
+        Ok(r) => return Err(format!("a record was delivered: {r:?}").into()),
+    };
+    assert!(
+        e.contains("changelog topic events-changelog partition 0 at offset 0")
+            && e.contains("something other than replayguard"),
+        "{e}"
+    );
+    Ok(())
+}
