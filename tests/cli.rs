@@ -575,6 +575,56 @@ fn consume_stops_cleanly_when_stdout_closes() -> TestResult {
 // ---------------------------------------------------------------------------
 // inspect
 
+/// On Apache Kafka: librdkafka's mock cluster does not create topics
+/// through the admin API.
+#[test]
+fn pipe_with_a_changelog_ships_its_identities_and_inspect_shows_where() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 2), ("out", 2)])?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=50)?;
+    let state = tempfile::tempdir()?;
+    let pipe = |extra: &[&str]| {
+        let mut c = replayguard();
+        c.arg("pipe")
+            .args(["--brokers", bootstrap.as_str(), "--group", "logged"])
+            .args(["--input", "in", "--output", "out", "--state"])
+            .arg(state.path())
+            .args(extra);
+        c
+    };
+    let run = run_bounded(
+        &mut pipe(&[
+            "--stop-at-end",
+            "--retention-epochs",
+            "3",
+            "--changelog",
+            "in-log",
+        ]),
+        RUN_LIMIT,
+    )?;
+    success(&run, "pipe --changelog")?;
+    // The changelog holds the identities: records in both partitions.
+    let logged = end_offsets(&bootstrap, "in-log")?;
+    if logged.len() != 2 || logged.values().any(|e| *e == 0) {
+        return Err(format!("changelog ends {logged:?}").into());
+    }
+    let table = inspect(state.path(), false)?;
+    success(&table, "inspect")?;
+    let table = text(&table.stdout);
+    expect_contains(&table, "changelog\n  topic in-log\n")?;
+    expect_contains(
+        &table,
+        "  partition 0: this folder's records end at offset ",
+    )?;
+    // A bad topic name is refused in flag terms.
+    let bad = run_bounded(&mut pipe(&["--changelog", "no spaces"]), RUN_LIMIT)?;
+    expect_contains(
+        &text(&bad.stderr),
+        "--changelog: the changelog must be a topic name",
+    )?;
+    Ok(())
+}
+
 #[test]
 fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {
     let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;

@@ -38,6 +38,17 @@ struct Report {
     sink: Option<serde_json::Value>,
     /// The sink bytes in hex when they are not JSON.
     sink_hex: Option<String>,
+    /// The changelog topic of the folder's job, and where its last
+    /// checkpoint left each changelog partition.
+    changelog: Option<ChangelogRow>,
+}
+
+#[derive(Debug, Serialize)]
+struct ChangelogRow {
+    topic: String,
+    /// Changelog partition to the offset after this folder's last record
+    /// there, as of its last checkpoint.
+    ends: BTreeMap<i32, i64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -146,6 +157,17 @@ fn read(path: &Path) -> Result<Report, Failure> {
         })
         .collect();
     let job = replayguard::job::recorded(path).map_err(Failure::runtime)?;
+    let changelog = job
+        .as_ref()
+        .and_then(|j| j.changelog.clone())
+        .map(|topic| ChangelogRow {
+            topic,
+            ends: sink
+                .as_ref()
+                .and_then(|v: &serde_json::Value| v.get("l"))
+                .and_then(|l| serde_json::from_value(l.clone()).ok())
+                .unwrap_or_default(),
+        });
     Ok(Report {
         path: path.display().to_string(),
         format: manifest.as_ref().map_or(FORMAT_VERSION, |m| m.format),
@@ -162,6 +184,7 @@ fn read(path: &Path) -> Result<Report, Failure> {
         disk_index_bytes: stats.disk_index_bytes,
         sink,
         sink_hex,
+        changelog,
     })
 }
 
@@ -244,6 +267,20 @@ fn table(r: &Report) -> String {
         for l in &e.lanes {
             let lane = format!("{}[{}]", l.topic, l.partition);
             t += &format!("    {lane:<52} {:>12} {:>12}\n", l.fingerprints, l.offsets);
+        }
+    }
+
+    t += "\nchangelog\n";
+    match &r.changelog {
+        None => t += "  none (identities live in this folder only)\n",
+        Some(c) => {
+            t += &format!("  topic {}\n", c.topic);
+            if c.ends.is_empty() {
+                t += "  nothing written as of the last checkpoint\n";
+            }
+            for (p, end) in &c.ends {
+                t += &format!("  partition {p}: this folder's records end at offset {end}\n");
+            }
         }
     }
 
