@@ -7,10 +7,13 @@
 //! [`PART_ITEMS`] hashes, ids and offsets each (under 0.5 MB), so many
 //! identities go in one record, never one record per identity.
 //!
-//! - **Key**: `RGK1 | writer (u8 length, bytes) | topic (u16 length,
-//!   bytes) | partition (i32 BE) | epoch (u64 BE) | part (u32 BE)`. The
-//!   writer is the state folder's instance token, so that two instances'
-//!   records never share a key.
+//! - **Key**: `RGK1 | group (u16 length, bytes) | writer (u8 length,
+//!   bytes) | topic (u16 length, bytes) | partition (i32 BE) | epoch (u64
+//!   BE) | part (u32 BE)`. The group is the job's consumer group: a
+//!   restore takes only its own group's records, so two jobs that share a
+//!   changelog topic never take each other's identities. The writer is the
+//!   state folder's instance token, so that two instances' records never
+//!   share a key.
 //! - **Value**: `RGV1` and the chunk as the store encodes it: its format
 //!   version, the hashes, the offsets and ids as roaring bitmaps, and an
 //!   xxh3 checksum. An empty value is a tombstone: the part left with its
@@ -40,6 +43,8 @@ const VALUE_MAGIC: &[u8; 4] = b"RGV1";
 /// Where a changelog record belongs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChangelogKey {
+    /// The consumer group of the job that wrote it.
+    pub group: String,
     /// The instance that wrote it (its state folder's token).
     pub writer: String,
     /// The input topic of the lane.
@@ -56,10 +61,13 @@ impl ChangelogKey {
     /// The key's bytes.
     #[must_use]
     pub fn encode(&self) -> Vec<u8> {
+        let g = self.group.as_bytes();
         let w = self.writer.as_bytes();
         let t = self.topic.as_bytes();
-        let mut out = Vec::with_capacity(4 + 1 + w.len() + 2 + t.len() + 16);
+        let mut out = Vec::with_capacity(4 + 2 + g.len() + 1 + w.len() + 2 + t.len() + 16);
         out.extend_from_slice(KEY_MAGIC);
+        out.extend_from_slice(&(g.len().min(65_535) as u16).to_be_bytes());
+        out.extend_from_slice(&g[..g.len().min(65_535)]);
         out.push(w.len().min(255) as u8);
         out.extend_from_slice(&w[..w.len().min(255)]);
         out.extend_from_slice(&(t.len().min(65_535) as u16).to_be_bytes());
@@ -83,6 +91,9 @@ impl ChangelogKey {
             r = tail;
             Ok(head)
         };
+        let gl = u16::from_be_bytes(take(2)?.try_into().map_err(|_| "the key is truncated")?);
+        let group =
+            String::from_utf8(take(gl as usize)?.to_vec()).map_err(|_| "the group is not UTF-8")?;
         let wl = take(1)?[0] as usize;
         let writer =
             String::from_utf8(take(wl)?.to_vec()).map_err(|_| "the writer is not UTF-8")?;
@@ -96,6 +107,7 @@ impl ChangelogKey {
             return Err("the key has trailing bytes".into());
         }
         Ok(ChangelogKey {
+            group,
             writer,
             topic,
             partition,
@@ -203,6 +215,7 @@ mod test {
     #[test]
     fn keys_read_back_and_foreign_bytes_are_refused() {
         let k = ChangelogKey {
+            group: "billing".into(),
             writer: "3f2a".into(),
             topic: "orders".into(),
             partition: 7,

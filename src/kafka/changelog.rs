@@ -17,9 +17,10 @@
 //!   metadata.
 //! - **Restore.** On assign, a partition whose changelog partition ends
 //!   where this folder's last checkpoint left it reads nothing. Otherwise
-//!   the records written since are read; if another instance wrote any,
-//!   the whole partition is read, and every live identity another
-//!   instance shipped for the arriving lane is taken into the open epoch
+//!   the records written since are read; if another instance of the same
+//!   group wrote any, the whole partition is read, and every live identity
+//!   another instance of the group shipped for the arriving lane is taken
+//!   into the open epoch
 //!   (so it lives one retention from now), before any record of the lane
 //!   is delivered. The next checkpoint ships them as this instance's, and
 //!   then writes tombstones over the other instance's records.
@@ -101,6 +102,9 @@ pub(crate) struct Changelog {
     pub topic: String,
     /// This instance's token, the writer in every key it writes.
     writer: String,
+    /// The job's consumer group, in every key: a restore takes only its
+    /// own group's records.
+    group: String,
     producer: ThreadedProducer<AckContext>,
     /// Connection settings, for the restore reader.
     connection: ClientConfig,
@@ -129,9 +133,10 @@ impl Changelog {
         partitions: usize,
         writer: &str,
     ) -> Result<Option<Self>> {
+        let group = setup::group_id(user)?;
         o.changelog
             .as_deref()
-            .map(|topic| Self::open(user, topic, partitions, writer, o.timeout))
+            .map(|topic| Self::open(user, topic, partitions, &group, writer, o.timeout))
             .transpose()
     }
 
@@ -145,6 +150,7 @@ impl Changelog {
         user: &ClientConfig,
         topic: &str,
         partitions: usize,
+        group: &str,
         writer: &str,
         timeout: Duration,
     ) -> Result<Self> {
@@ -161,6 +167,7 @@ impl Changelog {
         Ok(Changelog {
             topic: topic.to_owned(),
             writer: writer.to_owned(),
+            group: group.to_owned(),
             producer,
             connection,
             timeout,
@@ -206,6 +213,7 @@ impl Changelog {
         for s in shipments {
             let key = |part: u32| {
                 ChangelogKey {
+                    group: self.group.clone(),
                     writer: self.writer.clone(),
                     topic: s.topic.clone(),
                     partition: s.partition,
@@ -347,7 +355,7 @@ impl Changelog {
         if local_end.is_some() {
             let mut foreign = false;
             self.read(&reader, partition, from, hi, |key, _| {
-                foreign |= key.writer != self.writer;
+                foreign |= key.writer != self.writer && key.group == self.group;
                 Ok(())
             })?;
             if !foreign {
@@ -359,7 +367,11 @@ impl Changelog {
         let mut live: HashMap<ChangelogKey, (i64, Vec<u8>)> = HashMap::new();
         let mut tombstones: Vec<ChangelogKey> = Vec::new();
         self.read(&reader, partition, lo, hi, |key, record| {
-            if key.topic != topic || key.partition != partition || key.writer == self.writer {
+            if key.group != self.group
+                || key.topic != topic
+                || key.partition != partition
+                || key.writer == self.writer
+            {
                 return Ok(());
             }
             match record {

@@ -329,6 +329,14 @@ impl GuardedConsumer {
     /// returns does not deliver it again. The position may move past it at
     /// the next checkpoint.
     ///
+    /// What survives the loss of the machine (its disk with it): without a
+    /// changelog ([`GuardOptions::changelog`]), the positions committed at
+    /// checkpoints only, so a resend of an acked record passes at the next
+    /// owner. With one, every record acked before the last completed
+    /// checkpoint, by position and by content: acks since then (at most
+    /// one checkpoint interval) are in this folder only, and the next
+    /// owner delivers those records again.
+    ///
     /// # Errors
     ///
     /// A store write failure (which poisons the guard).
