@@ -278,3 +278,134 @@ async fn a_foreign_record_in_the_changelog_stops_the_restore_naming_where_it_is(
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_whose_changelog_records_are_not_acked_stops_and_moves_nothing() -> TestResult
+{
+    let broker = KafkaBroker::start(&[("events", 1)])?;
+    produce_integers(&broker.bootstrap(), "events", 1..=50)?;
+    let dir = tempfile::tempdir()?;
+    let mut cfg = broker.client_config();
+    cfg.set("group.id", "frozen");
+    let c = GuardedConsumer::builder(cfg, dir.path())
+        .topic("events")
+        .options(
+            options(Some("frozen-changelog"))
+                .checkpoint_interval(Duration::from_secs(3600))
+                .timeout(Duration::from_secs(2)),
+        )
+        .build()
+        .await?;
+    let got = read_to_end(&c).await?;
+    assert_eq!(got.len(), 50);
+    c.checkpoint().await?;
+    let epoch = c.stats().guard.ok_or("no guard")?.epoch;
+    // Acked after that checkpoint (no end reached, so no checkpoint), then
+    // the broker stops answering.
+    produce_integers(&broker.bootstrap(), "events", 51..=60)?;
+    for _ in 51..=60 {
+        let r = c.recv().await?.ok_or("the input ended early")?;
+        c.ack(&r)?;
+    }
+    broker.pause()?;
+    let e = c.checkpoint().await;
+    broker.resume()?;
+    let e = match e {
+        Ok(()) => return Err("a checkpoint succeeded with the broker frozen".into()),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), "changelog", "{e}");
+    assert!(e.to_string().contains("frozen-changelog"), "{e}");
+    assert!(
+        c.checkpoint().await.is_err(),
+        "the guard goes on after the failure"
+    );
+    c.abort();
+    // The folder's manifest did not move past what the changelog acked.
+    // (`abort` lets go of the folder in the background.)
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let guard = loop {
+        match replayguard::Guard::builder(dir.path()).open() {
+            Err(replayguard::Error::InUse { .. }) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => break other?,
+        }
+    };
+    assert_eq!(
+        guard.epoch(),
+        epoch,
+        "the failed checkpoint moved the manifest"
+    );
+    Ok(())
+}
+
+/// `replayguard consume` killed (SIGKILL) in the middle of a restore, then
+/// started again on the same folder: the resends stay filtered, and every
+/// new record is printed once.
+#[test]
+fn a_restore_killed_midway_and_started_again_loses_nothing_and_delivers_no_resend() -> TestResult {
+    use std::process::Command;
+    let broker = KafkaBroker::start(&[("events", 2)])?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "events", 1..=100)?;
+    let consume = |state: &Path| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_replayguard"));
+        c.args([
+            "consume",
+            "--brokers",
+            bootstrap.as_str(),
+            "--group",
+            "killed",
+        ])
+        .args([
+            "--topic",
+            "events",
+            "--stop-at-end",
+            "--retention-time",
+            "1h",
+        ])
+        .args(["--changelog", "killed-changelog", "--state"])
+        .arg(state)
+        .env_remove("REPLAYGUARD_FAIL_AT");
+        c
+    };
+    let values = |out: &std::process::Output| -> TestResult<Vec<u64>> {
+        let mut v: Vec<u64> = std::str::from_utf8(&out.stdout)?
+            .lines()
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        v.sort_unstable();
+        Ok(v)
+    };
+    let first = tempfile::tempdir()?;
+    let a = replayguard_testkit::run_bounded(&mut consume(first.path()), Duration::from_secs(120))?;
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    assert_eq!(values(&a)?, (1..=100).collect::<Vec<_>>());
+    drop(first);
+    produce_integers(&bootstrap, "events", 50..=60)?;
+    produce_integers(&bootstrap, "events", 101..=110)?;
+    let second = tempfile::tempdir()?;
+    let killed = replayguard_testkit::run_bounded(
+        consume(second.path()).env("REPLAYGUARD_FAIL_AT", "kill-mid-restore"),
+        Duration::from_secs(120),
+    )?;
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        killed.status.signal(),
+        Some(9),
+        "not killed mid-restore: {:?} {}",
+        killed.status,
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    assert!(values(&killed)?.is_empty(), "printed before its restore");
+    let again =
+        replayguard_testkit::run_bounded(&mut consume(second.path()), Duration::from_secs(120))?;
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(values(&again)?, (101..=110).collect::<Vec<_>>());
+    Ok(())
+}

@@ -408,6 +408,13 @@ impl Changelog {
             };
             restored.identities += guard.import(lane, &chunk)?;
             restored.records += 1;
+            if setup::fault("kill-mid-restore") {
+                // As a SIGKILL in the middle of a restore, with what it
+                // imported so far on disk.
+                guard.flush()?;
+                // SAFETY: a signal to this process; nothing follows.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
             drop(shared);
             self.taken_over
                 .lock()
