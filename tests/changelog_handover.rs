@@ -409,3 +409,132 @@ fn a_restore_killed_midway_and_started_again_loses_nothing_and_delivers_no_resen
     assert_eq!(values(&again)?, (101..=110).collect::<Vec<_>>());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changelog_deleted_under_a_folder_that_wrote_to_it_is_an_error_not_an_empty_restore()
+-> TestResult {
+    let broker = KafkaBroker::start(&[("events", 1)])?;
+    produce_integers(&broker.bootstrap(), "events", 1..=20)?;
+    let dir = tempfile::tempdir()?;
+    let c = consumer(&broker, dir.path(), "deleted", Some("gone-changelog")).await?;
+    assert_eq!(read_to_end(&c).await?.len(), 20);
+    c.close(Duration::from_secs(10)).await?;
+    broker.delete_topic("gone-changelog")?;
+    // The topic is created anew, empty: the folder knows it wrote more.
+    let c = consumer(&broker, dir.path(), "deleted", Some("gone-changelog")).await?;
+    let e = match c.recv().await {
+        Err(e) => e.to_string(),
+        Ok(r) => return Err(format!("delivered {r:?} over a deleted changelog").into()),
+    };
+    assert!(
+        e.contains("changelog topic gone-changelog partition 0")
+            && e.contains("deleted, recreated or truncated"),
+        "{e}"
+    );
+    Ok(())
+}
+
+async fn scaling_pipeline(
+    broker: &KafkaBroker,
+    state: &Path,
+) -> replayguard::Result<GuardedPipeline> {
+    let mut cfg = broker.client_config();
+    cfg.set("group.id", "scaling-copiers");
+    GuardedPipeline::builder(cfg, state)
+        .input("orders")
+        .output("orders-copy")
+        .options(
+            GuardOptions::default()
+                .retention_time(Some(Duration::from_secs(3600)))
+                .checkpoint_interval(Duration::from_millis(200))
+                .changelog("orders-changelog"),
+        )
+        .build()
+        .await
+}
+
+/// Runs a pipeline until told to stop, then closes it (a clean revoke).
+fn spawn_pipeline(
+    mut p: GuardedPipeline,
+    stop: std::sync::Arc<tokio::sync::Notify>,
+) -> tokio::task::JoinHandle<TestResult> {
+    tokio::spawn(async move {
+        let copy = |m: rdkafka::message::OwnedMessage| async move {
+            Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)])
+        };
+        tokio::select! {
+            r = p.run(copy) => { r?; }
+            () = stop.notified() => {}
+        }
+        p.close(Duration::from_secs(10)).await?;
+        Ok(())
+    })
+}
+
+fn output_count(broker: &KafkaBroker) -> TestResult<i64> {
+    Ok(
+        replayguard_testkit::end_offsets(&broker.bootstrap(), "orders-copy")?
+            .values()
+            .sum(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_pipelines_from_one_to_two_and_back_write_each_record_once_despite_resends()
+-> TestResult {
+    use std::sync::Arc;
+    let broker = KafkaBroker::start(&[("orders", 4), ("orders-copy", 4)])?;
+    let (a_dir, b_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let a = scaling_pipeline(&broker, a_dir.path()).await?;
+    let stats_a = a.stats_handle();
+    let stop_a = Arc::new(tokio::sync::Notify::new());
+    let task_a = spawn_pipeline(a, stop_a.clone());
+    produce_integers(&broker.bootstrap(), "orders", 1..=100)?;
+    wait_for("A to write 1..=100", Duration::from_secs(60), || {
+        output_count(&broker).is_ok_and(|n| n >= 100)
+    })
+    .await?;
+    let b = scaling_pipeline(&broker, b_dir.path()).await?;
+    let stats_b = b.stats_handle();
+    let stop_b = Arc::new(tokio::sync::Notify::new());
+    let task_b = spawn_pipeline(b, stop_b.clone());
+    // B holds partitions once it reads new records.
+    let mut next = 101;
+    while stats_b.stats().records_in == 0 {
+        if next > 140 {
+            return Err("B got no partition".into());
+        }
+        produce_integers(&broker.bootstrap(), "orders", next..=next)?;
+        next += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    produce_integers(&broker.bootstrap(), "orders", 1..=100)?;
+    produce_integers(&broker.bootstrap(), "orders", next..=150)?;
+    wait_for("101..=150", Duration::from_secs(60), || {
+        output_count(&broker).is_ok_and(|n| n >= 150)
+    })
+    .await?;
+    stop_b.notify_one();
+    task_b.await??;
+    produce_integers(&broker.bootstrap(), "orders", 1..=150)?;
+    produce_integers(&broker.bootstrap(), "orders", 151..=160)?;
+    wait_for("151..=160", Duration::from_secs(60), || {
+        output_count(&broker).is_ok_and(|n| n >= 160)
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let a = stats_a.stats();
+    println!(
+        "A read {} inputs, {} of them duplicates",
+        a.records_in, a.duplicates
+    );
+    stop_a.notify_one();
+    task_a.await??;
+    let out = integers(&read_topic(
+        &broker.bootstrap(),
+        "orders-copy",
+        PyClient::Confluent,
+    )?)?;
+    check_each_once(&out, 1..=160)?;
+    Ok(())
+}

@@ -450,7 +450,8 @@ impl Changelog {
         reader
             .assign(&tpl)
             .map_err(kafka("assigning the changelog partition"))?;
-        let deadline = Instant::now() + self.timeout;
+        // A long restore is fine; one that stops moving is not.
+        let mut deadline = Instant::now() + self.timeout;
         let mut next = from;
         while next < hi {
             if Instant::now() > deadline {
@@ -458,7 +459,7 @@ impl Changelog {
                     Some(partition),
                     Some(next),
                     format!(
-                        "read only up to offset {next} of {hi} within {:?}",
+                        "read up to offset {next} of {hi}, then nothing more within {:?}",
                         self.timeout
                     ),
                 ));
@@ -492,6 +493,7 @@ impl Changelog {
                 }
             };
             next = m.offset() + 1;
+            deadline = Instant::now() + self.timeout;
             if m.offset() >= hi {
                 break;
             }

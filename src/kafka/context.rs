@@ -493,7 +493,10 @@ impl Core {
         if let Some(cl) = &self.changelog {
             self.restore(cl, &arrival.starts, manifest_sink.as_ref())?;
         }
-        if self.hooks.writes() {
+        // An assignment that brings no partition (a cooperative rebalance's
+        // first step) reconciles nothing: with no position named anywhere,
+        // it would read the whole output.
+        if self.hooks.writes() && !arrival.starts.is_empty() {
             match arrival.zombie.filter(|(w, _)| self.fenced && !w.is_zero()) {
                 Some((wait, from)) => {
                     super::lease::note_wait(wait, &from);
