@@ -195,7 +195,12 @@ impl Changelog {
                 record = record.payload(v);
             }
             match self.producer.send(record) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    let kind = if value.is_some() { "part" } else { "tombstone" };
+                    metrics::counter!("replayguard_changelog_records_total", "kind" => kind)
+                        .increment(1);
+                    return Ok(());
+                }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
                     if started.elapsed() < self.timeout =>
                 {
@@ -268,7 +273,10 @@ impl Changelog {
         };
         let open = guard.ship_open()?;
         self.send_all(&open)?;
+        let started = Instant::now();
         let ends = self.wait_acked()?;
+        metrics::histogram!("replayguard_changelog_wait_seconds")
+            .record(started.elapsed().as_secs_f64());
         if let Some(sink) = s.sink.as_mut() {
             sink.changelog.extend(ends);
         }
@@ -365,7 +373,6 @@ impl Changelog {
         // The whole partition, the latest record of each key, this lane's
         // only, written by other instances.
         let mut live: HashMap<ChangelogKey, (i64, Vec<u8>)> = HashMap::new();
-        let mut tombstones: Vec<ChangelogKey> = Vec::new();
         self.read(&reader, partition, lo, hi, |key, record| {
             if key.group != self.group
                 || key.topic != topic
@@ -380,7 +387,6 @@ impl Changelog {
                 }
                 None => {
                     live.remove(&key);
-                    tombstones.push(key);
                 }
             }
             Ok(())
@@ -406,7 +412,9 @@ impl Changelog {
             let Some(guard) = shared.guard.as_mut() else {
                 return Ok(restored);
             };
-            restored.identities += guard.import(lane, &chunk)?;
+            let n = guard.import(lane, &chunk)?;
+            metrics::counter!("replayguard_changelog_restored_identities_total").increment(n);
+            restored.identities += n;
             restored.records += 1;
             if setup::fault("kill-mid-restore") {
                 // As a SIGKILL in the middle of a restore, with what it
@@ -515,6 +523,19 @@ impl Changelog {
             f(key, m.payload().map(|v| (m.offset(), v)))?;
         }
         Ok(())
+    }
+}
+
+impl Drop for Changelog {
+    /// The records handed over after the last checkpoint (carried offsets,
+    /// tombstones) are sent before the producer goes, within a bound.
+    fn drop(&mut self) {
+        if let Err(e) = self
+            .producer
+            .flush(self.timeout.min(Duration::from_secs(5)))
+        {
+            tracing::warn!(topic = %self.topic, error = %e, "changelog records not all sent at close: a dropped epoch whose tombstones were not sent stays in the changelog until another instance takes its partition over");
+        }
     }
 }
 

@@ -164,7 +164,11 @@ impl GuardOptions {
     /// and waits for the acks before it moves, so an acked record survives
     /// the loss of the machine from the next checkpoint on (at most one
     /// `checkpoint_interval` later). A state folder keeps the changelog it
-    /// was bound with.
+    /// was bound with. It keeps a copy of the open epoch's identities in
+    /// memory (about 16 bytes each), to ship at the checkpoint. The
+    /// topic is created and checked through the admin API, which
+    /// librdkafka's mock cluster did not answer here: the changelog needs
+    /// a real broker.
     pub fn changelog(mut self, topic: impl Into<String>) -> Self {
         self.changelog = Some(topic.into());
         self

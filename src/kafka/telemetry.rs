@@ -47,6 +47,21 @@ pub fn describe_metrics() {
         Unit::Count,
         "Inputs found handled by reading the output back at recovery."
     );
+    describe_counter!(
+        "replayguard_changelog_records_total",
+        Unit::Count,
+        "Records handed to the changelog producer: parts of epochs, and tombstones (kind)."
+    );
+    describe_counter!(
+        "replayguard_changelog_restored_identities_total",
+        Unit::Count,
+        "Identities taken over from the changelog: handled by another instance of the group."
+    );
+    describe_histogram!(
+        "replayguard_changelog_wait_seconds",
+        Unit::Seconds,
+        "Time a checkpoint waited for the changelog's acks."
+    );
     describe_gauge!(
         "replayguard_consumer_lag",
         Unit::Count,
