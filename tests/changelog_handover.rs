@@ -538,3 +538,46 @@ async fn scaling_pipelines_from_one_to_two_and_back_write_each_record_once_despi
     check_each_once(&out, 1..=160)?;
     Ok(())
 }
+
+/// What the documentation promises of an ack when the machine is lost:
+/// acks before the last checkpoint survive it (their resends are filtered
+/// by the next owner), acks since then do not (their records are delivered
+/// again), and nothing else is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_machine_loses_exactly_the_acks_since_its_last_checkpoint() -> TestResult {
+    let broker = KafkaBroker::start(&[("events", 1)])?;
+    produce_integers(&broker.bootstrap(), "events", 1..=50)?;
+    let (a_dir, b_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let mut cfg = broker.client_config();
+    cfg.set("group.id", "window");
+    let build = |dir: std::path::PathBuf| {
+        GuardedConsumer::builder(cfg.clone(), dir)
+            .topic("events")
+            .options(
+                options(Some("window-changelog")).checkpoint_interval(Duration::from_secs(3600)),
+            )
+            .build()
+    };
+    let a = build(a_dir.path().to_owned()).await?;
+    assert_eq!(read_to_end(&a).await?.len(), 50);
+    a.checkpoint().await?;
+    produce_integers(&broker.bootstrap(), "events", 51..=60)?;
+    for _ in 51..=60 {
+        let r = a.recv().await?.ok_or("the input ended early")?;
+        a.ack(&r)?;
+    }
+    a.abort();
+    drop(a_dir);
+    // Resends of records acked before and after that checkpoint.
+    produce_integers(&broker.bootstrap(), "events", 1..=5)?;
+    produce_integers(&broker.bootstrap(), "events", 55..=56)?;
+    let b = build(b_dir.path().to_owned()).await?;
+    let mut delivered = read_to_end(&b).await?;
+    delivered.sort_unstable();
+    assert_eq!(
+        delivered,
+        (51..=60).collect::<Vec<u64>>(),
+        "the acks since the last checkpoint, each once, and nothing else"
+    );
+    Ok(())
+}
