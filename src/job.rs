@@ -9,10 +9,11 @@
 //!
 //! Some changes are safe and are taken with a log line: adding an input
 //! topic (its partitions start with no state), removing one while another
-//! stays (its state is kept, unused), and anything that is not part of the
-//! job (retention, durability, checkpoint interval, more partitions on an
-//! input). Any other change (group, output, identity, changelog, kind, or
-//! no input in common) is refused with [`Error::JobMismatch`], unless the
+//! stays (its state is kept, unused), turning a changelog on (its first
+//! assign of each partition reads the topic whole), and anything that is
+//! not part of the job (retention, durability, checkpoint interval, more
+//! partitions on an input). Any other change (group, output, identity,
+//! another changelog or none, kind, or no input in common) is refused with [`Error::JobMismatch`], unless the
 //! open re-binds the folder on purpose. Even a re-bind keeps the identity:
 //! identities recorded under one mean nothing under another (and two user
 //! functions' ids would collide), so a new identity needs a new folder.
@@ -118,7 +119,9 @@ impl Job {
                 self.identity, given.identity
             ));
         }
-        if self.changelog != given.changelog {
+        // From none to a topic is safe; to another topic or to none is not:
+        // the changelog ends this folder recorded name the old topic.
+        if self.changelog.is_some() && self.changelog != given.changelog {
             return Some(format!(
                 "its changelog topic is {}, not {}",
                 show(self.changelog.as_deref()),
@@ -269,7 +272,7 @@ pub fn bind(path: &Path, job: &Job, rebind: bool) -> Result<Binding> {
             path = %path.display(),
             was = %was,
             now = %job,
-            "the job's inputs changed; added inputs start with no state, removed ones keep theirs unused"
+            "the job changed in a way it can take: added inputs start with no state, removed ones keep theirs unused, and a changelog turned on is read whole at each partition's first assign"
         ),
         Binding::Rebound { was } => tracing::warn!(
             path = %path.display(),
@@ -333,6 +336,27 @@ mod test {
         }
         // Refusals change nothing.
         assert_eq!(recorded(dir.path())?, Some(job));
+        Ok(())
+    }
+
+    #[test]
+    fn a_changelog_can_be_turned_on_but_not_changed_or_turned_off() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let plain = pipeline("g1", &["in"], "out1");
+        let logged = plain.clone().with_changelog(Some("log-a".into()));
+        bind(dir.path(), &plain, false)?;
+        assert!(matches!(
+            bind(dir.path(), &logged, false)?,
+            Binding::Changed { .. }
+        ));
+        for other in [plain, logged.with_changelog(Some("log-b".into()))] {
+            match bind(dir.path(), &other, false) {
+                Err(Error::JobMismatch { what, .. }) => {
+                    assert!(what.contains("changelog topic is \"log-a\""), "{what}");
+                }
+                r => panic!("{other}: {r:?}"),
+            }
+        }
         Ok(())
     }
 

@@ -163,8 +163,9 @@ impl GuardOptions {
     /// least that many. Each checkpoint ships the open epoch's identities
     /// and waits for the acks before it moves, so an acked record survives
     /// the loss of the machine from the next checkpoint on (at most one
-    /// `checkpoint_interval` later). A state folder keeps the changelog it
-    /// was bound with. It keeps a copy of the open epoch's identities in
+    /// `checkpoint_interval` later). A state folder without a changelog
+    /// takes one (each partition's first assign then reads it whole); one
+    /// with a changelog keeps it (another topic, or none, needs `rebind`). It keeps a copy of the open epoch's identities in
     /// memory (about 16 bytes each), to ship at the checkpoint. The
     /// topic is created and checked through the admin API, which
     /// librdkafka's mock cluster did not answer here: the changelog needs
