@@ -96,6 +96,30 @@ async fn a_consumer_on_an_empty_folder_takes_identities_over_from_the_changelog(
     Ok(())
 }
 
+/// The pipelines' function: a faithful copy.
+async fn copy(m: rdkafka::message::OwnedMessage) -> Result<Vec<OutputRecord>, Infallible> {
+    Ok(vec![OutputRecord::copy_of(&m)])
+}
+
+/// The pipelines' output, read back by confluent-kafka, holds `expected`
+/// each once.
+fn check_output(broker: &KafkaBroker, expected: std::ops::RangeInclusive<u64>) -> TestResult {
+    let out = integers(&read_topic(
+        &broker.bootstrap(),
+        "orders-copy",
+        PyClient::Confluent,
+    )?)?;
+    check_each_once(&out, expected)
+}
+
+/// The error of the first `recv`, which must fail.
+async fn first_recv_error(c: &GuardedConsumer) -> TestResult<String> {
+    match c.recv().await {
+        Err(e) => Ok(e.to_string()),
+        Ok(r) => Err(format!("a record was delivered: {r:?}").into()),
+    }
+}
+
 async fn pipeline(
     broker: &KafkaBroker,
     state: &Path,
@@ -116,9 +140,6 @@ async fn a_pipeline_on_an_empty_folder_writes_no_resend_handled_by_a_lost_machin
     let broker = KafkaBroker::start(&[("orders", 2), ("orders-copy", 2)])?;
     produce_integers(&broker.bootstrap(), "orders", 1..=100)?;
     let (a_dir, b_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
-    let copy = |m: rdkafka::message::OwnedMessage| async move {
-        Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)])
-    };
     let mut a = pipeline(&broker, a_dir.path(), "orders-changelog").await?;
     a.run(copy).await?;
     a.abort();
@@ -127,13 +148,7 @@ async fn a_pipeline_on_an_empty_folder_writes_no_resend_handled_by_a_lost_machin
     let mut b = pipeline(&broker, b_dir.path(), "orders-changelog").await?;
     b.run(copy).await?;
     b.close(Duration::from_secs(10)).await?;
-    let out = integers(&read_topic(
-        &broker.bootstrap(),
-        "orders-copy",
-        PyClient::Confluent,
-    )?)?;
-    check_each_once(&out, 1..=100)?;
-    Ok(())
+    check_output(&broker, 1..=100)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -267,10 +282,7 @@ async fn a_foreign_record_in_the_changelog_stops_the_restore_naming_where_it_is(
     c.abort();
     let dir = tempfile::tempdir()?;
     let c = consumer(&broker, dir.path(), "foreign", Some("events-changelog")).await?;
-    let e = match c.recv().await {
-        Err(e) => e.to_string(),
-        Ok(r) => return Err(format!("a record was delivered: {r:?}").into()),
-    };
+    let e = first_recv_error(&c).await?;
     assert!(
         e.contains("changelog topic events-changelog partition 0 at offset 0")
             && e.contains("something other than replayguard"),
@@ -422,10 +434,7 @@ async fn a_changelog_deleted_under_a_folder_that_wrote_to_it_is_an_error_not_an_
     broker.delete_topic("gone-changelog")?;
     // The topic is created anew, empty: the folder knows it wrote more.
     let c = consumer(&broker, dir.path(), "deleted", Some("gone-changelog")).await?;
-    let e = match c.recv().await {
-        Err(e) => e.to_string(),
-        Ok(r) => return Err(format!("delivered {r:?} over a deleted changelog").into()),
-    };
+    let e = first_recv_error(&c).await?;
     assert!(
         e.contains("changelog topic gone-changelog partition 0")
             && e.contains("deleted, recreated or truncated"),
@@ -459,9 +468,6 @@ fn spawn_pipeline(
     stop: std::sync::Arc<tokio::sync::Notify>,
 ) -> tokio::task::JoinHandle<TestResult> {
     tokio::spawn(async move {
-        let copy = |m: rdkafka::message::OwnedMessage| async move {
-            Ok::<_, Infallible>(vec![OutputRecord::copy_of(&m)])
-        };
         tokio::select! {
             r = p.run(copy) => { r?; }
             () = stop.notified() => {}
@@ -530,13 +536,7 @@ async fn scaling_pipelines_from_one_to_two_and_back_write_each_record_once_despi
     );
     stop_a.notify_one();
     task_a.await??;
-    let out = integers(&read_topic(
-        &broker.bootstrap(),
-        "orders-copy",
-        PyClient::Confluent,
-    )?)?;
-    check_each_once(&out, 1..=160)?;
-    Ok(())
+    check_output(&broker, 1..=160)
 }
 
 /// What the documentation promises of an ack when the machine is lost:

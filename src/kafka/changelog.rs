@@ -317,13 +317,13 @@ impl Changelog {
     /// changelog record; a store failure while importing.
     pub fn restore(
         &self,
+        reader: &BaseConsumer,
         s: &std::sync::Mutex<Shared>,
         lane: LaneId,
         topic: &str,
         partition: i32,
         local_end: Option<i64>,
     ) -> Result<Restored> {
-        let reader = self.reader()?;
         let (lo, hi) = reader
             .fetch_watermarks(&self.topic, partition, self.timeout)
             .map_err(|e| {
@@ -362,7 +362,7 @@ impl Changelog {
         let from = local_end.unwrap_or(lo);
         if local_end.is_some() {
             let mut foreign = false;
-            self.read(&reader, partition, from, hi, |key, _| {
+            self.read(reader, partition, from, hi, |key, _| {
                 foreign |= key.writer != self.writer && key.group == self.group;
                 Ok(())
             })?;
@@ -373,7 +373,7 @@ impl Changelog {
         // The whole partition, the latest record of each key, this lane's
         // only, written by other instances.
         let mut live: HashMap<ChangelogKey, (i64, Vec<u8>)> = HashMap::new();
-        self.read(&reader, partition, lo, hi, |key, record| {
+        self.read(reader, partition, lo, hi, |key, record| {
             if key.group != self.group
                 || key.topic != topic
                 || key.partition != partition
@@ -432,8 +432,9 @@ impl Changelog {
         Ok(restored)
     }
 
-    /// A reader of the changelog: no group, nothing committed.
-    fn reader(&self) -> Result<BaseConsumer> {
+    /// A reader of the changelog: no group, nothing committed. One serves
+    /// every partition of an assignment.
+    pub fn reader(&self) -> Result<BaseConsumer> {
         let mut cfg = self.connection.clone();
         cfg.set("group.id", format!("replayguard-changelog-{}", self.writer))
             .set("enable.auto.commit", "false")

@@ -618,13 +618,17 @@ impl Core {
         arriving: &[(String, i32, Option<i64>)],
         manifest: Option<&SinkPositions>,
     ) -> Result<()> {
+        if arriving.is_empty() {
+            return Ok(());
+        }
+        let reader = cl.reader()?;
         for (topic, p, _) in arriving {
             let Some(lane) = self.lock().lane(topic, *p) else {
                 continue;
             };
             let local_end = manifest.and_then(|m| m.changelog.get(p).copied());
             let started = Instant::now();
-            let restored = cl.restore(&self.shared, lane, topic, *p, local_end)?;
+            let restored = cl.restore(&reader, &self.shared, lane, topic, *p, local_end)?;
             if restored.records > 0 {
                 tracing::info!(
                     topic = %topic,
