@@ -14,6 +14,7 @@
 //!
 //! The output is read back with confluent-kafka.
 
+use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::sync::mpsc::RecvTimeoutError;
 use std::thread;
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use replayguard_testkit::{
     Broker, Ends, FIRST_OUTPUT_LIMIT, Feeder, Frozen, KafkaBroker, KafkaOptions, MockBroker, Proc,
-    PyClient, TestResult, check_each_once, integers, lines_of, outcome, read_topic,
+    PyClient, Record, TestResult, check_each_once, integers, lines_of, outcome, read_topic,
     replayguard_bin, seeded, sleep_watching,
 };
 
@@ -164,7 +165,9 @@ fn old_owner_comes_back(
             )?
             .succeed(Duration::from_secs(120))?;
         }
-        let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+        let records = read_topic(&bootstrap, "out", PyClient::Confluent)?;
+        let values = integers(&records)?;
+        let (written, reappended) = appended_twice(&records, &values);
         let mut sorted = values.clone();
         sorted.sort_unstable();
         sorted.dedup();
@@ -180,9 +183,21 @@ fn old_owner_comes_back(
             .into());
         }
         let duplicates = values.len() - sorted.len();
-        println!("{name}: {n} inputs, {duplicates} duplicates");
+        println!(
+            "{name}: {n} inputs, {duplicates} duplicates, {reappended} of them a record the broker appended twice"
+        );
         if fencing {
-            check_each_once(&values, 1..=n)?;
+            if broker.kind() == "mock" {
+                // The mock checks producer sequences only for transactional
+                // producers, so a batch the producer sent again (its request
+                // timed out over the freeze, the append had happened) is
+                // appended twice; Kafka drops the second as a duplicate
+                // sequence. Such a copy has its original's create time; a
+                // write by the new owner never does.
+                check_each_once(&written, 1..=n)?;
+            } else {
+                check_each_once(&values, 1..=n)?;
+            }
         }
         Ok(duplicates)
     })();
@@ -190,6 +205,22 @@ fn old_owner_comes_back(
         Ok(d) => Ok(d),
         Err(e) => outcome(Err(e), seed, logs).map(|()| 0),
     }
+}
+
+/// The values of `records` (parsed in `values`) without the copies that
+/// repeat an earlier record's value and create time (one produced record
+/// appended twice), and how many such copies there were.
+fn appended_twice(records: &[Record], values: &[u64]) -> (Vec<u64>, usize) {
+    let mut seen = HashSet::new();
+    let mut written = Vec::with_capacity(values.len());
+    for (r, v) in records.iter().zip(values) {
+        let again = r.timestamp.is_some_and(|t| !seen.insert((*v, t)));
+        if !again {
+            written.push(*v);
+        }
+    }
+    let reappended = values.len() - written.len();
+    (written, reappended)
 }
 
 #[test]
@@ -214,20 +245,25 @@ fn on_the_mock_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote
 
 #[test]
 fn on_kafka_control_with_fencing_off_a_thawed_pipe_writes_duplicates() -> TestResult {
-    let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
-    let duplicates = old_owner_comes_back(
-        &broker,
-        &broker.bootstrap(),
-        None,
-        Away::Frozen,
-        false,
-        false,
-    )?;
-    assert!(
-        duplicates > 0,
-        "without fencing the thawed pipe's backlog should duplicate outputs; the scenario does not test what it claims"
-    );
-    Ok(())
+    // Whether the zombie's writes land before its successor reconciles
+    // depends on where in its producer's linger the freeze falls, so a
+    // scenario that shows none is run once more, on a fresh broker.
+    for attempt in 1..=2 {
+        let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
+        let duplicates = old_owner_comes_back(
+            &broker,
+            &broker.bootstrap(),
+            None,
+            Away::Frozen,
+            false,
+            false,
+        )?;
+        if duplicates > 0 {
+            return Ok(());
+        }
+        println!("control, attempt {attempt}: no duplicates");
+    }
+    Err("without fencing the thawed pipe's backlog should duplicate outputs, and in two runs it did not; the scenario does not test what it claims".into())
 }
 
 #[test]

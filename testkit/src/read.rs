@@ -95,6 +95,9 @@ pub struct Record {
     pub partition: i32,
     /// Its offset.
     pub offset: i64,
+    /// Its timestamp in ms (the producer's create time, unless the topic
+    /// logs append time); `None` when the client saw none.
+    pub timestamp: Option<i64>,
     /// The key, if not null.
     pub key: Option<Vec<u8>>,
     /// The value, if not null.
@@ -131,6 +134,8 @@ struct JsonHeader {
 struct JsonRecord {
     partition: i32,
     offset: i64,
+    #[serde(default)]
+    timestamp: Option<i64>,
     key: Option<String>,
     key_b64: Option<String>,
     value: Option<String>,
@@ -211,6 +216,7 @@ pub fn read_topic_with(
         records.push(Record {
             partition: json.partition,
             offset: json.offset,
+            timestamp: json.timestamp.filter(|t| *t >= 0),
             key: bytes_of(json.key, json.key_b64)?,
             value: bytes_of(json.value, json.value_b64)?,
             headers,
