@@ -186,6 +186,19 @@ fn old_owner_comes_back(
         println!(
             "{name}: {n} inputs, {duplicates} duplicates, {reappended} of them a record the broker appended twice"
         );
+        if duplicates > 0 {
+            // What a failure needs to tell a second write from a re-append.
+            let mut times: std::collections::BTreeMap<u64, Vec<Option<i64>>> = Default::default();
+            for (r, v) in records.iter().zip(&values) {
+                times.entry(*v).or_default().push(r.timestamp);
+            }
+            let twice: Vec<_> = times
+                .into_iter()
+                .filter(|(_, t)| t.len() > 1)
+                .take(5)
+                .collect();
+            println!("{name}: first duplicated values with their create times: {twice:?}");
+        }
         if fencing {
             if broker.kind() == "mock" {
                 // The mock checks producer sequences only for transactional
