@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use fjall::config::PartitioningPolicy;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 use roaring::RoaringTreemap;
 use serde::{Deserialize, Serialize};
@@ -397,12 +398,14 @@ impl Store {
             db.keyspace(name, KeyspaceCreateOptions::default)
                 .map_err(|e| read_err(path, e))
         };
+        let meta = ks("meta")?;
+        let sealed = open_sealed(&db, &meta, path)?;
         let store = Store {
             path: path.to_owned(),
-            meta: ks("meta")?,
+            meta,
             lanes: ks("lanes")?,
             chunks: ks("chunks")?,
-            sealed: ks("sealed")?,
+            sealed,
             oldest_live,
             db,
         };
@@ -411,6 +414,18 @@ impl Store {
             write_marker(path, false).map_err(open_err)?;
         }
         Ok((store, loaded))
+    }
+
+    /// Makes the folder look as if a build before the partitioned
+    /// `sealed` layout had written it.
+    #[cfg(test)]
+    pub(crate) fn forget_sealed_layout(&self) -> Result<()> {
+        self.meta
+            .remove(SEALED_LAYOUT_KEY)
+            .map_err(|e| self.err(e))?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| self.err(e))
     }
 
     /// The state folder.
@@ -710,6 +725,59 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// The layout of the `sealed` keyspace's tables, in `meta`.
+const SEALED_LAYOUT_KEY: &str = "sealed_layout";
+
+/// 2: filter and index blocks partitioned at every level.
+const SEALED_LAYOUT: u8 = 2;
+
+/// A point read in `sealed` probes each table whose key range holds the key,
+/// and every spill writes tables across the whole range. A table's filter and
+/// index in one block are megabytes at 100M hashes, and past the block cache
+/// each read loaded them whole. In blocks of a few KiB a read loads only the
+/// ones it needs.
+fn sealed_options() -> KeyspaceCreateOptions {
+    KeyspaceCreateOptions::default()
+        .filter_block_partitioning_policy(PartitioningPolicy::all(true))
+        .index_block_partitioning_policy(PartitioningPolicy::all(true))
+}
+
+/// Opens `sealed`. fjall keeps the options a keyspace was created with, so a
+/// `sealed` made by an earlier build (no layout key) is dropped and made
+/// afresh: it is an index derived from the chunks, and with `spilled` gone
+/// the guard's open rebuilds it from them. `spilled` goes first, durably, so
+/// that a crash on the way leaves a folder that rebuilds it, never one that
+/// trusts a partial index.
+fn open_sealed(db: &Database, meta: &Keyspace, path: &Path) -> Result<Keyspace> {
+    let err = |e| store_err(path, e);
+    let existed = db.keyspace_exists("sealed");
+    let sealed = db
+        .keyspace("sealed", sealed_options)
+        .map_err(|e| read_err(path, e))?;
+    let layout = meta.get(SEALED_LAYOUT_KEY).map_err(|e| read_err(path, e))?;
+    if layout.as_deref() == Some(&[SEALED_LAYOUT][..]) {
+        return Ok(sealed);
+    }
+    let sealed = if existed {
+        tracing::info!(
+            path = %path.display(),
+            "the on-disk index of sealed hashes has an earlier layout; it is rebuilt from the chunks"
+        );
+        let mut b = db.batch().durability(Some(PersistMode::SyncData));
+        b.remove(meta, "spilled");
+        b.commit().map_err(err)?;
+        db.delete_keyspace(sealed).map_err(err)?;
+        db.keyspace("sealed", sealed_options)
+            .map_err(|e| read_err(path, e))?
+    } else {
+        sealed
+    };
+    let mut b = db.batch().durability(Some(PersistMode::SyncData));
+    b.insert(meta, SEALED_LAYOUT_KEY, [SEALED_LAYOUT]);
+    b.commit().map_err(err)?;
+    Ok(sealed)
 }
 
 fn store_err(path: &Path, e: fjall::Error) -> Error {

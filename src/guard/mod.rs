@@ -139,9 +139,10 @@ impl GuardBuilder {
     /// Over the budget, each checkpoint moves the oldest sealed epochs'
     /// hashes to disk until the index is under 90% of it; recovery loads
     /// only the newest sealed epochs that fit. A hash on disk costs about
-    /// 1.9 bytes of memory (a filter in front of it) instead of about 20,
+    /// 1.8 bytes of memory (a filter in front of it) instead of about 20,
     /// and a record whose hash the filter lets through (every resend, and
-    /// about 1 fresh record in 100 to 300) pays a disk read. The open
+    /// about 1 fresh record in 500 when the filter is full, fewer before)
+    /// pays a disk read of some microseconds. The open
     /// epoch, and the offsets and user ids of every live epoch, always
     /// stay in memory, so the budget is a target, not a cap: it is
     /// exceeded when they alone exceed it.

@@ -957,6 +957,45 @@ fn sealed_epochs_on_disk_answer_like_memory_across_reopens() -> Result<()> {
 }
 
 #[test]
+fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let open = || {
+        Guard::builder(dir.path())
+            .retention_epochs(5)
+            .max_memory_bytes(Some(0))
+            .open()
+    };
+    let mut g = open()?;
+    let lane = g.lane("t", 0);
+    for e in 0..3u64 {
+        for i in e * 1_000..(e + 1) * 1_000 {
+            assert!(g.record(lane, Some(i), Some(hash(i)))?.is_fresh());
+        }
+        g.checkpoint(&[(lane, (e + 1) * 1_000)], Vec::new())?;
+    }
+    assert_eq!(g.stats().disk_fingerprints, 3_000);
+    drop(g);
+    // As an earlier build left it: its `sealed` keyspace is dropped at the
+    // next open, and what it held must come back from the chunks.
+    Store::open(dir.path())?.0.forget_sealed_layout()?;
+    for _ in 0..2 {
+        let mut g = open()?;
+        let s = g.stats();
+        assert_eq!((s.disk_fingerprints, s.memory_fingerprints), (3_000, 0));
+        assert!(s.disk_index_bytes > 0, "{s:?}");
+        for i in (0..3_000u64).step_by(7) {
+            assert_eq!(
+                g.check(lane, None, Some(hash(i)))?,
+                dup(Reason::SameContent, i / 1_000),
+                "{i}"
+            );
+        }
+        assert!(g.stats().disk_hits > 400);
+    }
+    Ok(())
+}
+
+#[test]
 fn batched_calls_answer_like_single_ones() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let mut g = Guard::builder(dir.path()).retention_epochs(2).open()?;
