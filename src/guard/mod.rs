@@ -142,7 +142,8 @@ impl GuardBuilder {
     /// 1.8 bytes of memory (a filter in front of it) instead of about 20,
     /// and a record whose hash the filter lets through (every resend, and
     /// about 1 fresh record in 500 when the filter is full, fewer before)
-    /// pays a disk read of some microseconds. The open
+    /// pays a disk read: 10 to 35 µs of CPU for one that finds its hash,
+    /// measured with 10M and 100M hashes on disk. The open
     /// epoch, and the offsets and user ids of every live epoch, always
     /// stay in memory, so the budget is a target, not a cap: it is
     /// exceeded when they alone exceed it.
