@@ -21,6 +21,8 @@
 //!     compaction filter. A build that does not know this keyspace reads
 //!     the folder correctly from the chunks, and this build rebuilds what
 //!     the keyspace lacks from them, so the format version stays 1.
+//!     `meta: sealed_layout` (one byte, 2) says its tables partition their
+//!     filter and index blocks; a keyspace without it is rebuilt.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
