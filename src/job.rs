@@ -13,10 +13,11 @@
 //! assign of each partition reads the topic whole), and anything that is
 //! not part of the job (retention, durability, checkpoint interval, more
 //! partitions on an input). Any other change (group, output, identity,
-//! another changelog or none, kind, or no input in common) is refused with [`Error::JobMismatch`], unless the
-//! open re-binds the folder on purpose. Even a re-bind keeps the identity:
-//! identities recorded under one mean nothing under another (and two user
-//! functions' ids would collide), so a new identity needs a new folder.
+//! another changelog or none, kind, or no input in common) is refused
+//! with [`Error::JobMismatch`], unless the open re-binds the folder on
+//! purpose. Even a re-bind keeps the identity: identities recorded under
+//! one mean nothing under another (and two user functions' ids would
+//! collide), so a new identity needs a new folder.
 
 use std::collections::BTreeSet;
 use std::io::Write as _;

@@ -130,7 +130,6 @@ mod test {
         }
         assert!((0..n).all(|i| f.may_hold(h(i))));
         let wrong = (n..2 * n).filter(|&i| f.may_hold(h(i))).count();
-        println!("{wrong} false positives in {n}");
         // 14 bits a hash, 7 bits set in one cache line: about 1 in 400.
         assert!(wrong < n as usize / 250, "{wrong} false positives in {n}");
         assert_eq!(f.inserted(), n);

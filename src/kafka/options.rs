@@ -165,8 +165,9 @@ impl GuardOptions {
     /// the loss of the machine from the next checkpoint on (at most one
     /// `checkpoint_interval` later). A state folder without a changelog
     /// takes one (each partition's first assign then reads it whole); one
-    /// with a changelog keeps it (another topic, or none, needs `rebind`). It keeps a copy of the open epoch's identities in
-    /// memory (about 16 bytes each), to ship at the checkpoint. The
+    /// with a changelog keeps it (another topic, or none, needs `rebind`).
+    /// It keeps a copy of the open epoch's identities in memory (about 16
+    /// bytes each), to ship at the checkpoint. The
     /// topic is created and checked through the admin API, which
     /// librdkafka's mock cluster did not answer here: the changelog needs
     /// a real broker.

@@ -108,6 +108,13 @@ pub trait Broker {
     fn broker_pid(&self) -> Option<u32>;
     /// A short name for messages: `mock`, `kafka`, `tansu`.
     fn kind(&self) -> &'static str;
+    /// Whether it drops a batch that an idempotent producer sends again
+    /// (Kafka does, by sequence). One that does not appends it twice, and
+    /// an exactly-once check there must tell such copies from second
+    /// writes (they keep their original's create time).
+    fn drops_resent_batches(&self) -> bool {
+        true
+    }
 }
 
 impl Broker for MockBroker {
@@ -119,6 +126,11 @@ impl Broker for MockBroker {
     }
     fn kind(&self) -> &'static str {
         "mock"
+    }
+    /// librdkafka's mock checks sequences only for transactional
+    /// producers (`rd_kafka_mock_validate_records`).
+    fn drops_resent_batches(&self) -> bool {
+        false
     }
 }
 
