@@ -44,6 +44,14 @@
 //! section with at least 3 repetitions also writes them to `docs/bench/`
 //! for BENCHMARKS.md, which explains the method and the mock's limits.
 //!
+//! The Flink peer (`peers/flink`) is a JVM of its own, so three scripts set
+//! it beside the same modes on Apache Kafka, out of this bench's build:
+//! `scripts/bench-latency` (latency to visibility at a steady rate,
+//! replayguard at 100 ms, 1 s and 10 s checkpoints, Flink at 1 s and 20 s),
+//! `scripts/bench-cost` (CPU per million records, and with `--preload` the
+//! copy rate of a topic written beforehand) and `scripts/seed-experiment`
+//! (SIGKILLs: duplicates, missing records and the time back).
+//!
 //! It runs only under `cargo bench` (which passes `--bench`); run by `cargo
 //! test` it does nothing.
 
