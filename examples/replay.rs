@@ -726,8 +726,9 @@ fn print_table(runs: &[&Summary; 2]) {
          p99 (about 10 s on average with the classic 20 s interval). The mock broker\n\
          shows uncommitted records to read_committed readers, so this wait is computed\n\
          from the guarded outputs' times and the checkpoint schedule, not measured.\n\
-         On Apache Kafka, scripts/seed-experiment measures it against Flink's\n\
-         exactly-once sink (BENCHMARKS.md has its table).",
+         On Apache Kafka it is measured, with a read_committed reader, by\n\
+         scripts/bench-latency and scripts/seed-experiment, beside Flink's\n\
+         exactly-once sink (BENCHMARKS.md has the tables).",
         CHECKPOINT.as_secs(),
         ms(percentile(&guarded.at_commit, 0.5)),
         ms(percentile(&guarded.at_commit, 0.99)),
