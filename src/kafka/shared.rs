@@ -2,9 +2,10 @@
 //! producer's delivery callbacks and its rebalance callbacks. It knows the
 //! engine and nothing of the Kafka client.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -43,7 +44,7 @@ pub(crate) struct Track {
     pub inflight: BTreeMap<i64, Pending>,
     /// The content identities of `inflight`: a resend that arrives before
     /// its first copy is handled is a duplicate too.
-    pub inflight_fps: HashSet<Fingerprint>,
+    pub inflight_fps: FxHashSet<Fingerprint>,
 }
 
 impl Track {
@@ -157,7 +158,7 @@ pub(crate) struct Offered<'a> {
 
 pub(crate) struct Shared {
     pub guard: Option<Guard>,
-    pub tracks: HashMap<String, HashMap<i32, Track>>,
+    pub tracks: FxHashMap<String, FxHashMap<i32, Track>>,
     pub sink: Option<SinkPositions>,
     failure: Failure,
     pub counters: Counters,
@@ -166,10 +167,10 @@ pub(crate) struct Shared {
     /// Inputs of which reconciliation found some outputs but not all:
     /// (topic, partition, offset) to the indices already written. Their
     /// replay writes only the missing ones.
-    pub partial: HashMap<(String, i32, i64), BTreeSet<u32>>,
+    pub partial: FxHashMap<(String, i32, i64), BTreeSet<u32>>,
     /// Partition numbers that reported end-of-partition with no record
     /// since; the exact end check runs only when all assigned ones did.
-    pub at_eof: HashSet<i32>,
+    pub at_eof: FxHashSet<i32>,
     /// Partitions assigned but not recovered yet, see [`Held`].
     pub held: Option<Held>,
     /// High watermark of each assigned partition, and a position to count
@@ -186,13 +187,13 @@ impl Shared {
     pub fn new(guard: Option<Guard>) -> Self {
         Shared {
             guard,
-            tracks: HashMap::new(),
+            tracks: FxHashMap::default(),
             sink: None,
             failure: Failure::default(),
             counters: Counters::default(),
             aborted: false,
-            partial: HashMap::new(),
-            at_eof: HashSet::new(),
+            partial: FxHashMap::default(),
+            at_eof: FxHashSet::default(),
             held: None,
             watermarks: BTreeMap::new(),
             probes: Vec::new(),
@@ -202,7 +203,7 @@ impl Shared {
 
     pub fn track(&mut self, topic: &str, partition: i32) -> &mut Track {
         if !self.tracks.contains_key(topic) {
-            self.tracks.insert(topic.to_owned(), HashMap::new());
+            self.tracks.insert(topic.to_owned(), FxHashMap::default());
         }
         self.tracks
             .get_mut(topic)
