@@ -23,6 +23,16 @@
 //!     the keyspace lacks from them, so the format version stays 1.
 //!     `meta: sealed_layout` (one byte, 2) says its tables partition their
 //!     filter and index blocks; a keyspace without it is rebuilt.
+//!   - `counts`: the same keys as `chunks`, each to its chunk's number of
+//!     content hashes (u32 LE), written in the chunk's batch. Recovery under
+//!     a memory budget reads them to decide what fits, instead of reading
+//!     every chunk twice. `meta: counted` (`from` u64 BE, then the xxh3 of
+//!     the manifest value it was written with, u64 BE) says that every
+//!     chunk of the epochs from `from` up to that manifest's open epoch has
+//!     its count. A build that does not know `counts` writes manifests
+//!     without the key beside them, so the sum no longer matches and the
+//!     counts are not trusted; chunks without a trusted count are counted
+//!     from their headers, as before.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -249,6 +259,10 @@ pub struct Store {
     lanes: Keyspace,
     chunks: Keyspace,
     sealed: Keyspace,
+    counts: Keyspace,
+    /// Every chunk of the epochs from this one up to the manifest's open
+    /// epoch has its count in `counts`.
+    counted_from: u64,
     /// The oldest live epoch, as the compaction filter of `sealed` sees it.
     oldest_live: Arc<AtomicU64>,
 }
@@ -402,16 +416,19 @@ impl Store {
         };
         let meta = ks("meta")?;
         let sealed = open_sealed(&db, &meta, path)?;
-        let store = Store {
+        let mut store = Store {
             path: path.to_owned(),
             meta,
             lanes: ks("lanes")?,
             chunks: ks("chunks")?,
             sealed,
+            counts: ks("counts")?,
+            counted_from: 0,
             oldest_live,
             db,
         };
         let loaded = store.load_meta(creating)?;
+        store.counted_from = store.counted_from(loaded.manifest.as_ref())?;
         if creating {
             write_marker(path, false).map_err(open_err)?;
         }
@@ -449,6 +466,27 @@ impl Store {
 
     fn read_err(&self, e: fjall::Error) -> Error {
         read_err(&self.path, e)
+    }
+
+    /// The first epoch whose chunks all have a trusted count: the one the
+    /// `counted` key names if it was written with the manifest found, else
+    /// the epoch after the open one (whose chunks may lack counts). With no
+    /// manifest and no chunks, every chunk to come is counted.
+    fn counted_from(&self, manifest: Option<&Manifest>) -> Result<u64> {
+        let Some(m) = manifest else {
+            let empty = self.chunks.first_key_value().is_none();
+            return Ok(if empty { 0 } else { 1 });
+        };
+        let raw = self.meta.get("manifest").map_err(|e| self.read_err(e))?;
+        let counted = self.meta.get("counted").map_err(|e| self.read_err(e))?;
+        if let (Some(raw), Some(c)) = (raw, counted)
+            && let Ok(c) = <[u8; 16]>::try_from(&*c)
+            && c[8..] == xxh3_64(&raw).to_be_bytes()
+        {
+            let (from, _) = c.split_at(8);
+            return Ok(u64::from_be_bytes(from.try_into().unwrap_or_default()));
+        }
+        Ok(m.epoch + 1)
     }
 
     fn load_meta(&self, creating: bool) -> Result<Loaded> {
@@ -563,14 +601,18 @@ impl Store {
             b.insert(&self.lanes, id.to_be_bytes(), v);
         }
         for c in chunks {
-            b.insert(
-                &self.chunks,
-                chunk_key(c.epoch, c.lane, c.seq),
-                c.chunk.encode()?,
-            );
+            let key = chunk_key(c.epoch, c.lane, c.seq);
+            let n = u32::try_from(c.chunk.hashes.len())
+                .map_err(|_| self.corrupt("a chunk holds more than 2^32 hashes"))?;
+            b.insert(&self.chunks, key, c.chunk.encode()?);
+            b.insert(&self.counts, key, n.to_le_bytes());
         }
         let mode = if let Some(m) = manifest {
-            b.insert(&self.meta, "manifest", encode_manifest(m)?);
+            let raw = encode_manifest(m)?;
+            let mut counted = self.counted_from.to_be_bytes().to_vec();
+            counted.extend_from_slice(&xxh3_64(&raw).to_be_bytes());
+            b.insert(&self.meta, "manifest", raw);
+            b.insert(&self.meta, "counted", counted);
             PersistMode::SyncData
         } else {
             durability.mode()
@@ -595,6 +637,10 @@ impl Store {
             b.remove(&self.chunks, k);
         }
         let n = b.len();
+        for g in self.counts.range(..chunk_key(oldest, 0, 0)) {
+            let k = g.key().map_err(|e| self.err(e))?;
+            b.remove(&self.counts, k);
+        }
         if n > 0 {
             b.durability(Some(PersistMode::Buffer))
                 .commit()
@@ -622,15 +668,55 @@ impl Store {
     }
 
     /// Counts the content hashes of every chunk of the epochs at or after
-    /// `oldest`, per (epoch, lane), reading only each chunk's header. The
-    /// full read that follows checks the checksums.
+    /// `oldest`, per chunk as (epoch, lane, count). The closed epochs whose
+    /// counts are trusted are read from `counts`; the others, and `open`
+    /// and later, from each chunk's header (reading the chunk). The full
+    /// read that follows checks the checksums.
     ///
     /// # Errors
     ///
-    /// [`Error::Corrupt`] for a malformed key or header; [`Error::Store`]
-    /// for I/O.
-    pub fn count_hashes(&self, oldest: u64, mut f: impl FnMut(u64, u32, u64)) -> Result<()> {
-        for g in self.chunks.range(chunk_key(oldest, 0, 0)..) {
+    /// [`Error::Corrupt`] for a malformed key, count or header;
+    /// [`Error::Store`] for I/O.
+    pub fn count_hashes(
+        &self,
+        oldest: u64,
+        open: u64,
+        mut f: impl FnMut(u64, u32, u64),
+    ) -> Result<()> {
+        let counted = self.counted_from.max(oldest)..open;
+        if counted.is_empty() {
+            return self.count_headers(oldest, None, &mut f);
+        }
+        self.count_headers(oldest, Some(counted.start), &mut f)?;
+        for g in self
+            .counts
+            .range(chunk_key(counted.start, 0, 0)..chunk_key(counted.end, 0, 0))
+        {
+            let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
+            let (epoch, lane, _) =
+                parse_chunk_key(&k).ok_or_else(|| self.corrupt("a count key is malformed"))?;
+            let n = <[u8; 4]>::try_from(&*v).map_err(|_| {
+                self.corrupt(format!("the count of chunk {epoch}/{lane}: malformed"))
+            })?;
+            f(epoch, lane, u64::from(u32::from_le_bytes(n)));
+        }
+        self.count_headers(counted.end, None, &mut f)
+    }
+
+    /// Counts from each chunk's header, for the epochs from `from` on and,
+    /// with `to`, before it.
+    fn count_headers(
+        &self,
+        from: u64,
+        to: Option<u64>,
+        f: &mut impl FnMut(u64, u32, u64),
+    ) -> Result<()> {
+        use std::ops::Bound;
+        let end = to.map_or(Bound::Unbounded, |e| Bound::Excluded(chunk_key(e, 0, 0)));
+        for g in self
+            .chunks
+            .range((Bound::Included(chunk_key(from, 0, 0)), end))
+        {
             let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
             let (epoch, lane, _) =
                 parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
@@ -942,6 +1028,141 @@ mod test {
         }
         assert!(Chunk::decode(&bytes[..bytes.len() - 3]).is_err());
         assert!(Chunk::decode(&[]).is_err());
+        Ok(())
+    }
+
+    fn manifest(epoch: u64) -> Manifest {
+        Manifest {
+            format: FORMAT_VERSION,
+            epoch,
+            positions: Vec::new(),
+            sink: Vec::new(),
+            epochs: Vec::new(),
+            checkpointed_at_ms: epoch,
+        }
+    }
+
+    fn chunk(n: u128) -> Chunk {
+        Chunk {
+            hashes: (0..n).collect(),
+            ..Chunk::default()
+        }
+    }
+
+    /// Writes two chunks (lanes 0 and 1) of `epoch`, `10 * epoch + 1` and
+    /// `10 * epoch + 2` hashes, with the manifest that closes the epoch.
+    fn write_epoch(store: &Store, epoch: u64) -> Result<()> {
+        let (a, b) = (
+            chunk(10 * u128::from(epoch) + 1),
+            chunk(10 * u128::from(epoch) + 2),
+        );
+        let name = LaneName {
+            topic: "t".into(),
+            partition: 0,
+        };
+        let writes = [(0, &a), (1, &b)].map(|(lane, chunk)| ChunkWrite {
+            epoch,
+            lane,
+            seq: 0,
+            chunk,
+        });
+        let lanes = [(0, &name), (1, &name)];
+        store.write(
+            &writes,
+            &lanes,
+            Some(&manifest(epoch + 1)),
+            Durability::Process,
+        )
+    }
+
+    fn counted(store: &Store, oldest: u64, open: u64) -> Result<Vec<(u64, u32, u64)>> {
+        let mut out = Vec::new();
+        store.count_hashes(oldest, open, |e, l, n| out.push((e, l, n)))?;
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    fn expected(epochs: std::ops::Range<u64>) -> Vec<(u64, u32, u64)> {
+        epochs
+            .flat_map(|e| [(e, 0, 10 * e + 1), (e, 1, 10 * e + 2)])
+            .collect()
+    }
+
+    #[test]
+    fn counts_come_from_their_keyspace_when_the_manifest_vouches_for_them() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
+        {
+            let (store, _) = Store::open(dir.path())?;
+            for e in 0..3 {
+                write_epoch(&store, e)?;
+            }
+            // Epoch 3 is open: its chunk has no manifest after it.
+            let c = chunk(7);
+            let w = ChunkWrite {
+                epoch: 3,
+                lane: 0,
+                seq: 0,
+                chunk: &c,
+            };
+            store.write(&[w], &[], None, Durability::Process)?;
+        }
+        let (store, loaded) = Store::open(dir.path())?;
+        assert_eq!(loaded.manifest.map(|m| m.epoch), Some(3));
+        assert_eq!(store.counted_from, 0);
+        let mut want = expected(0..3);
+        want.push((3, 0, 7));
+        assert_eq!(counted(&store, 0, 3)?, want);
+        assert_eq!(counted(&store, 1, 3)?, want[2..].to_vec());
+        // A closed epoch's count is read from `counts`, not from its chunk:
+        // a count that says otherwise wins (and the open epoch's does not).
+        store
+            .counts
+            .insert(chunk_key(1, 0, 0), 99u32.to_le_bytes())
+            .map_err(|e| store.err(e))?;
+        store
+            .counts
+            .insert(chunk_key(3, 0, 0), 99u32.to_le_bytes())
+            .map_err(|e| store.err(e))?;
+        want[2].2 = 99;
+        assert_eq!(counted(&store, 0, 3)?, want);
+        // Dropping epochs drops their counts too.
+        store.drop_epochs_before(2)?;
+        assert_eq!(store.counts.range(..chunk_key(2, 0, 0)).count(), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn counts_are_not_trusted_after_a_manifest_written_without_them() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
+        {
+            let (store, _) = Store::open(dir.path())?;
+            write_epoch(&store, 0)?;
+            // A build that does not know `counts`: its chunks of epochs 1
+            // and 2 have no count, and its manifests no `counted` beside them.
+            for e in 1..3 {
+                for (lane, n) in [(0, 10 * e + 1), (1, 10 * e + 2)] {
+                    store
+                        .chunks
+                        .insert(chunk_key(e, lane, 0), chunk(u128::from(n)).encode()?)
+                        .map_err(|e| store.err(e))?;
+                }
+                store
+                    .meta
+                    .insert("manifest", encode_manifest(&manifest(e + 1))?)
+                    .map_err(|e| store.err(e))?;
+            }
+        }
+        let (store, _) = Store::open(dir.path())?;
+        assert_eq!(store.counted_from, 4);
+        assert_eq!(counted(&store, 0, 3)?, expected(0..3));
+        // This build closes epochs 3 and 4; from 4 on its counts are trusted
+        // again (epoch 3 was open when it came, so its chunks may lack them).
+        write_epoch(&store, 3)?;
+        write_epoch(&store, 4)?;
+        drop(store);
+        let (store, _) = Store::open(dir.path())?;
+        assert_eq!(store.counted_from, 4);
+        assert_eq!(counted(&store, 0, 5)?, expected(0..5));
         Ok(())
     }
 

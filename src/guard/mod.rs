@@ -402,12 +402,12 @@ impl Guard {
     fn memory_floor(&mut self) -> Result<(u64, Vec<u64>)> {
         let (epoch, oldest) = (self.epoch, self.oldest);
         let mut disk_counts: Vec<u64> = vec![0; self.lanes.len()];
+        let mut per_lane: Vec<(u64, u32, u64)> = Vec::new();
         let floor = match self.cfg.max_memory_bytes {
             None => oldest,
             Some(budget) => {
                 let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
-                let mut per_lane: Vec<(u64, u32, u64)> = Vec::new();
-                self.store.count_hashes(oldest, |e, lane, n| {
+                self.store.count_hashes(oldest, epoch, |e, lane, n| {
                     *per_epoch.entry(e).or_default() += n;
                     per_lane.push((e, lane, n));
                 })?;
@@ -420,17 +420,22 @@ impl Guard {
                         break;
                     }
                 }
-                for (e, lane, n) in per_lane {
-                    if e < floor
-                        && let Some(c) = disk_counts.get_mut(lane as usize)
-                    {
-                        *c += n;
-                    }
-                }
                 floor
             }
         };
         let floor = floor.max(epoch.saturating_sub(TAG_SPAN / 4)).min(epoch);
+        if floor > oldest && self.cfg.max_memory_bytes.is_none() {
+            self.store.count_hashes(oldest, epoch, |e, lane, n| {
+                per_lane.push((e, lane, n));
+            })?;
+        }
+        for (e, lane, n) in per_lane {
+            if e < floor
+                && let Some(c) = disk_counts.get_mut(lane as usize)
+            {
+                *c += n;
+            }
+        }
         Ok((floor, disk_counts))
     }
 
@@ -455,6 +460,7 @@ impl Guard {
         let lanes = &mut self.lanes;
         let journal = self.cfg.journal;
         let mut counts: BTreeMap<(u32, u64), [u64; 3]> = BTreeMap::new();
+        let mut seen_below = vec![0u64; lanes.len()];
         self.store.load_chunks(oldest, |e, lane, chunk| {
             let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
                 path: path.clone(),
@@ -475,6 +481,9 @@ impl Guard {
                 in_memory[lane as usize].extend(chunk.hashes.iter().map(|&h| tagged(h, tag)));
             } else {
                 l.index.count_disk_hashes(e, chunk.hashes.len() as u64);
+                if let Some(n) = seen_below.get_mut(lane as usize) {
+                    *n += chunk.hashes.len() as u64;
+                }
                 if let Some(f) = l.index.disk_mut().filter.as_mut() {
                     chunk.hashes.iter().for_each(|&h| f.insert(h));
                 }
@@ -484,6 +493,17 @@ impl Guard {
             }
             Ok(())
         })?;
+        if seen_below != disk_counts {
+            // Only the sizes of the disk filters came from the counts: the
+            // filters hold every hash, so answers stay right, but a filter
+            // sized too small lets more absent hashes through to a disk read.
+            tracing::warn!(
+                path = %path.display(),
+                counted = disk_counts.iter().sum::<u64>(),
+                found = seen_below.iter().sum::<u64>(),
+                "the stored chunk counts disagree with the chunks; the disk filters may be sized wrongly"
+            );
+        }
         for (l, hashes) in self.lanes.iter_mut().zip(in_memory) {
             l.index.load_hashes(hashes);
             l.index.seal_loaded();
