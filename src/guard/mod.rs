@@ -485,7 +485,7 @@ impl Guard {
                     *n += chunk.hashes.len() as u64;
                 }
                 if let Some(f) = l.index.disk_mut().filter.as_mut() {
-                    chunk.hashes.iter().for_each(|&h| f.insert(h));
+                    f.insert_many(&chunk.hashes);
                 }
                 if e >= covered {
                     to_spill[lane as usize].extend(chunk.hashes.iter().map(|&h| (key_of(h), e)));
