@@ -632,13 +632,21 @@ impl Store {
     /// [`Error::Store`] if the delete failed.
     pub fn drop_epochs_before(&self, oldest: u64) -> Result<usize> {
         let mut b = self.db.batch();
-        for g in self.chunks.range(..chunk_key(oldest, 0, 0)) {
+        // Reading a chunk's key loads its value too. Every chunk of the
+        // epochs from `counted_from` on has a count under the same key, so
+        // those keys come from `counts`, which holds 4 bytes a chunk.
+        let counted = chunk_key(self.counted_from.min(oldest), 0, 0);
+        for g in self.chunks.range(..counted) {
             let k = g.key().map_err(|e| self.err(e))?;
             b.remove(&self.chunks, k);
         }
-        let n = b.len();
+        let mut n = b.len();
         for g in self.counts.range(..chunk_key(oldest, 0, 0)) {
             let k = g.key().map_err(|e| self.err(e))?;
+            if *k >= counted[..] {
+                b.remove(&self.chunks, k.clone());
+                n += 1;
+            }
             b.remove(&self.counts, k);
         }
         if n > 0 {
@@ -1126,8 +1134,10 @@ mod test {
         want[2].2 = 99;
         assert_eq!(counted(&store, 0, 3)?, want);
         // Dropping epochs drops their counts too.
-        store.drop_epochs_before(2)?;
+        assert_eq!(store.drop_epochs_before(2)?, 4);
         assert_eq!(store.counts.range(..chunk_key(2, 0, 0)).count(), 0);
+        assert_eq!(store.chunks.range(..chunk_key(2, 0, 0)).count(), 0);
+        assert_eq!(counted(&store, 2, 3)?, want[4..].to_vec());
         Ok(())
     }
 
@@ -1163,6 +1173,10 @@ mod test {
         let (store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 4);
         assert_eq!(counted(&store, 0, 5)?, expected(0..5));
+        // Chunks without a count are dropped all the same.
+        assert_eq!(store.drop_epochs_before(5)?, 10);
+        assert_eq!(store.chunks.iter().count(), 0);
+        assert_eq!(store.counts.iter().count(), 0);
         Ok(())
     }
 
