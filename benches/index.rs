@@ -15,7 +15,10 @@
 //!   epochs of 1,000 (one checkpoint each, `retention_time` 1 h), checked
 //!   in the same run, so their ratio is the cost of many live epochs.
 //! - `record`: `Guard::record` of fresh records with 1 and with 17 live
-//!   epochs of 200,000 records, in the same run.
+//!   epochs of 200,000 records, in the same run; one call a record, then
+//!   `record_many`, then one call a record with the checkpoint after every
+//!   200,000 records timed too (in this thread: the store's background
+//!   threads and the fsync's wait are not counted).
 //! - `disk`: N fingerprints in 10 epochs with a memory budget of 0, so the
 //!   9 sealed ones are on disk: memory per fingerprint (estimate,
 //!   allocator and the process's resident set), and checks.
@@ -587,6 +590,33 @@ fn record(c: &mut Criterion<ThreadCpu>) {
                         g.checkpoint(&[(lane, next)], Vec::new())
                             .expect("checkpoint");
                     }
+                }
+                spent
+            })
+        });
+        group.bench_function(format!("{live}-live-epochs/checkpoints-included"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    if at + BATCH > pool.len() {
+                        at = 0;
+                        for _ in 0..=retention {
+                            g.checkpoint(&[(lane, next)], Vec::new())
+                                .expect("checkpoint");
+                        }
+                    }
+                    let started = thread_cpu_now();
+                    for &f in &pool[at..at + BATCH] {
+                        let v = g.record(lane, Some(next), Some(f)).expect("record");
+                        black_box(v);
+                        next += 1;
+                    }
+                    if next.is_multiple_of(PER) {
+                        g.checkpoint(&[(lane, next)], Vec::new())
+                            .expect("checkpoint");
+                    }
+                    spent += thread_cpu_now().saturating_sub(started);
+                    at += BATCH;
                 }
                 spent
             })

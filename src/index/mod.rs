@@ -5,7 +5,8 @@
 //! - **Content hashes** of every epoch held in memory, the open one
 //!   included, live in one [`FpTable`] per lane, each entry tagged with its
 //!   epoch. Sealing an epoch costs nothing; dropping one only raises the
-//!   lane's floor, below which entries no longer answer, and the table is
+//!   lane's floor, below which entries no longer answer. An insert takes
+//!   the slot of the first such entry its shift meets, and the table is
 //!   purged in one in-place pass once a quarter of it is below the floor.
 //! - **Offsets and user ids** of the open epoch are in its own roaring
 //!   bitmaps; those of all sealed epochs are also in one union per lane,
@@ -352,8 +353,16 @@ impl LaneIndex {
                 let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
                 open.wrapping_sub(back) < floor
             };
-            if self.hashes.insert(h, tag_of(epoch), dead) != Insert::Added {
-                return self.insert_bitmaps(epoch, offset, None, sealed);
+            let added = if self.below_floor > 0 {
+                self.hashes.insert_reusing(h, tag_of(epoch), dead)
+            } else {
+                self.hashes.insert(h, tag_of(epoch), dead)
+            };
+            match added {
+                Insert::Added => {}
+                // One entry fewer below the floor for the next purge to find.
+                Insert::Replaced => self.below_floor = self.below_floor.saturating_sub(1),
+                Insert::Present(_) => return self.insert_bitmaps(epoch, offset, None, sealed),
             }
             self.epoch_mut(epoch).hashes += 1;
             self.live_fps += 1;

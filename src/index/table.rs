@@ -241,8 +241,11 @@ pub fn prefetch<T>(p: *const T) {
 /// What an insert found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Insert {
-    /// The hash was added with the given tag.
+    /// The hash was added with the given tag, in a free slot.
     Added,
+    /// The hash was added with the given tag, in the place of an entry
+    /// whose tag `dead` accepted: the table holds no more entries.
+    Replaced,
     /// The hash is there already, with this tag; nothing changed.
     Present(u32),
 }
@@ -310,17 +313,37 @@ impl FpTable {
         }
     }
 
-    /// Adds `h` with `tag`, unless the table holds it already. An entry
-    /// whose tag `dead` accepts is replaced (its epoch left the memory).
+    /// Adds `h` with `tag`, unless the table holds it already. An entry of
+    /// `h` whose tag `dead` accepts is replaced (its epoch left the memory).
     pub fn insert(&mut self, h: u128, tag: u32, dead: impl Fn(u32) -> bool) -> Insert {
+        self.insert_with::<false>(h, tag, dead)
+    }
+
+    /// [`FpTable::insert`] into a table that holds dead entries: the first
+    /// one the insert's shift meets gives its slot.
+    pub fn insert_reusing(&mut self, h: u128, tag: u32, dead: impl Fn(u32) -> bool) -> Insert {
+        self.insert_with::<true>(h, tag, dead)
+    }
+
+    #[inline]
+    fn insert_with<const REUSE: bool>(
+        &mut self,
+        h: u128,
+        tag: u32,
+        dead: impl Fn(u32) -> bool,
+    ) -> Insert {
         let key = key_of(h);
         let entry = tagged(h, tag);
         if key == 0 {
             return match self.zero {
                 Some(t) if !dead(t) => Insert::Present(t),
-                _ => {
+                was => {
                     self.zero = Some(tag);
-                    Insert::Added
+                    if was.is_some() {
+                        Insert::Replaced
+                    } else {
+                        Insert::Added
+                    }
                 }
             };
         }
@@ -347,18 +370,31 @@ impl FpTable {
                     return Insert::Present(t);
                 }
                 self.slots[i] = entry;
-                return Insert::Added;
+                return Insert::Replaced;
             }
-            let free = self.slots[i..].iter().position(|&s| s == 0);
-            match free.map(|e| i + e) {
+            // The entries from `i` on move one slot right, up to the first
+            // free slot or, with `REUSE`, the first dead entry, which is
+            // overwritten: a table that drops epochs then reuses their
+            // slots instead of growing until the next purge, and shifts
+            // less. Each moved entry stays sorted and past its home, and
+            // the cluster stays whole. The dead entry's filter bits stay
+            // set, as they do until a purge.
+            let end = self.slots[i..]
+                .iter()
+                .position(|&s| s == 0 || (REUSE && dead((s & TAG_MASK) as u32)));
+            match end.map(|e| i + e) {
                 Some(j) if j + 1 < self.slots.len() => {
+                    let reused = self.slots[j] != 0;
                     self.slots.copy_within(i..j, i + 1);
                     self.slots[i] = entry;
-                    self.len += 1;
                     let (word, bits) = filter_bits(key, self.filter.len());
                     if let Some(w) = self.filter.get_mut(word) {
                         *w |= bits;
                     }
+                    if reused {
+                        return Insert::Replaced;
+                    }
+                    self.len += 1;
                     return Insert::Added;
                 }
                 // The cluster would take the last slot: grow, then retry.
@@ -418,7 +454,8 @@ impl FpTable {
     }
 
     /// Drops every entry whose tag `drop` accepts, then lays the table out
-    /// again `PACKED_LOAD_PCT` full if it is much emptier than that. One
+    /// again, one growth step emptier than `PACKED_LOAD_PCT` full, if it is
+    /// much emptier than that. One
     /// pass over the slots, in place, and one over the filter. Returns the
     /// number of entries dropped.
     pub fn purge(&mut self, drop: impl Fn(u32) -> bool) -> usize {
@@ -450,9 +487,13 @@ impl FpTable {
             *self = FpTable::default();
             return before;
         }
+        // Purges come while the open epoch takes inserts. Laid out exactly
+        // packed full, the table would grow again at its next insert, a
+        // second pass over it; it gets the room of one growth step instead.
         let packed = kept * 100 / PACKED_LOAD_PCT + 1;
-        if packed * 4 < self.homes * 3 {
-            self.grow(packed);
+        let roomy = packed + packed / 5;
+        if roomy * 4 < self.homes * 3 {
+            self.grow(roomy);
         } else {
             self.refill();
         }

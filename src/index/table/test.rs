@@ -155,7 +155,7 @@ fn tags_are_kept_and_dead_entries_are_replaced_or_purged() {
     assert_eq!(t.get(hashes[3] ^ 0xff_ffff), Some(3));
     assert_eq!(t.insert(hashes[3], 9, never), Insert::Present(3));
     // A dead entry gives way to the new one.
-    assert_eq!(t.insert(hashes[3], 9, |tag| tag < 5), Insert::Added);
+    assert_eq!(t.insert(hashes[3], 9, |tag| tag < 5), Insert::Replaced);
     assert_eq!(t.get(hashes[3]), Some(9));
     t.check_invariants();
     let before = t.memory_bytes();
@@ -184,4 +184,46 @@ fn tags_are_kept_and_dead_entries_are_replaced_or_purged() {
     let left = t.len();
     assert_eq!(t.purge(|_| true), left);
     assert!(t.is_empty());
+}
+
+#[test]
+fn inserts_reuse_the_slots_of_dead_entries() {
+    let h = |i: u64| xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
+    let mut t = FpTable::default();
+    for i in 0..40_000u64 {
+        assert_eq!(t.insert(h(i), (i % 10) as u32, never), Insert::Added);
+    }
+    let (len, homes) = (t.len(), t.homes);
+    // Tags 0 to 4 are dead: 20,000 entries that no longer answer.
+    let dead = |tag: u32| tag < 5;
+    let mut replaced = 0;
+    for i in 40_000..60_000u64 {
+        match t.insert_reusing(h(i), 10, dead) {
+            Insert::Replaced => replaced += 1,
+            Insert::Added => {}
+            Insert::Present(_) => panic!("{i} was never inserted"),
+        }
+        if i % 5_000 == 0 {
+            t.check_invariants();
+        }
+    }
+    t.check_invariants();
+    assert!(
+        replaced > 5_000,
+        "only {replaced} of 20,000 reused a dead slot"
+    );
+    assert_eq!(t.len(), len + 20_000 - replaced);
+    assert!(
+        t.homes <= homes + homes / 5,
+        "grew from {homes} to {}",
+        t.homes
+    );
+    // Every live entry answers with its tag; a dead one never answers as live.
+    for i in 0..60_000u64 {
+        let want = if i >= 40_000 { 10 } else { (i % 10) as u32 };
+        match t.get(h(i)) {
+            Some(tag) => assert!(tag == want && (!dead(want) || i < 40_000), "{i}: tag {tag}"),
+            None => assert!(dead(want), "{i} (tag {want}) is lost"),
+        }
+    }
 }
