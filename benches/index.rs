@@ -594,6 +594,9 @@ fn record(c: &mut Criterion<ThreadCpu>) {
                 spent
             })
         });
+        // Index memory per live fingerprint after each checkpoint: the
+        // table also holds entries below the floor until a purge.
+        let mut per_live: Vec<f64> = Vec::new();
         group.bench_function(format!("{live}-live-epochs/checkpoints-included"), |b| {
             b.iter_custom(|iters| {
                 let mut spent = Duration::ZERO;
@@ -614,13 +617,25 @@ fn record(c: &mut Criterion<ThreadCpu>) {
                     if next.is_multiple_of(PER) {
                         g.checkpoint(&[(lane, next)], Vec::new())
                             .expect("checkpoint");
+                        spent += thread_cpu_now().saturating_sub(started);
+                        let s = g.stats();
+                        per_live.push(s.memory_bytes as f64 / s.live_fingerprints.max(1) as f64);
+                    } else {
+                        spent += thread_cpu_now().saturating_sub(started);
                     }
-                    spent += thread_cpu_now().saturating_sub(started);
                     at += BATCH;
                 }
                 spent
             })
         });
+        per_live.sort_by(f64::total_cmp);
+        if let (Some(lo), Some(hi)) = (per_live.first(), per_live.last()) {
+            eprintln!(
+                "record: {live} live epochs: index memory {lo:.2} to {hi:.2} B per live fingerprint, median {:.2}, over {} checkpoints",
+                per_live[per_live.len() / 2],
+                per_live.len()
+            );
+        }
         assert_eq!(g.stats().live_epochs, live);
         keep.push(dir);
     }
