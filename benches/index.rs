@@ -495,14 +495,108 @@ fn epochs(c: &mut Criterion<ThreadCpu>) {
     group.finish();
 }
 
+/// Records taken from a pool of precomputed fingerprints into one lane,
+/// with a checkpoint after every `RECORD_EPOCH` records, so that the
+/// number of live epochs stays as it is.
+struct Feed {
+    g: Guard,
+    lane: LaneId,
+    pool: Vec<Fingerprint>,
+    at: usize,
+    next: u64,
+    retention: u32,
+    /// Index memory per live fingerprint after each checkpoint: the table
+    /// also holds entries below the floor until a purge.
+    per_live: Vec<f64>,
+}
+
+const RECORD_EPOCH: u64 = 200_000;
+
+impl Feed {
+    /// Past the pool, starts it again: its fingerprints were dropped with
+    /// their epochs long ago, except the newest ones, which go now.
+    fn wrap(&mut self) {
+        if self.at + BATCH > self.pool.len() {
+            self.at = 0;
+            for _ in 0..=self.retention {
+                self.checkpoint();
+            }
+        }
+    }
+
+    fn checkpoint(&mut self) {
+        self.g
+            .checkpoint(&[(self.lane, self.next)], Vec::new())
+            .expect("checkpoint");
+    }
+
+    /// After a batch: the checkpoint if an epoch is full, and the memory
+    /// it leaves. Returns the thread's CPU time the checkpoint took.
+    fn end_batch(&mut self) -> Duration {
+        if !self.next.is_multiple_of(RECORD_EPOCH) {
+            return Duration::ZERO;
+        }
+        let started = thread_cpu_now();
+        self.checkpoint();
+        let spent = thread_cpu_now().saturating_sub(started);
+        let s = self.g.stats();
+        self.per_live
+            .push(s.memory_bytes as f64 / s.live_fingerprints.max(1) as f64);
+        spent
+    }
+
+    /// `BATCH` records, one call each: the time spent, with the checkpoint
+    /// that may follow when `with_checkpoint`.
+    fn one_by_one(&mut self, with_checkpoint: bool) -> Duration {
+        self.wrap();
+        let started = thread_cpu_now();
+        for &f in &self.pool[self.at..self.at + BATCH] {
+            let v = self
+                .g
+                .record(self.lane, Some(self.next), Some(f))
+                .expect("record");
+            black_box(v);
+            self.next += 1;
+        }
+        self.at += BATCH;
+        let spent = thread_cpu_now().saturating_sub(started);
+        let checkpoint = self.end_batch();
+        if with_checkpoint {
+            spent + checkpoint
+        } else {
+            spent
+        }
+    }
+
+    /// `BATCH` records in one `record_many`: the time spent in it.
+    fn batched(&mut self, probes: &mut Vec<Probe>, verdicts: &mut Vec<Verdict>) -> Duration {
+        self.wrap();
+        let (lane, next) = (self.lane, self.next);
+        probes.clear();
+        probes.extend(
+            self.pool[self.at..self.at + BATCH]
+                .iter()
+                .enumerate()
+                .map(|(k, &f)| Probe::new(lane, Some(next + k as u64), Some(f))),
+        );
+        let started = thread_cpu_now();
+        self.g.record_many(probes, verdicts).expect("record_many");
+        let spent = thread_cpu_now().saturating_sub(started);
+        assert!(verdicts.iter().all(|v| v.is_fresh()));
+        self.next += BATCH as u64;
+        self.at += BATCH;
+        self.end_batch();
+        spent
+    }
+}
+
 /// The record path with 1 and with 17 live epochs: fresh records with
-/// offsets and content, an (untimed) checkpoint every 200,000 records, so
-/// the number of live epochs stays as it is.
+/// offsets and content, and a checkpoint every 200,000 records (untimed,
+/// except in `checkpoints-included`).
 fn record(c: &mut Criterion<ThreadCpu>) {
     if !wanted("record") {
         return;
     }
-    const PER: u64 = 200_000;
     let mut group = c.benchmark_group("record");
     group
         .sample_size(20)
@@ -517,117 +611,45 @@ fn record(c: &mut Criterion<ThreadCpu>) {
             .open()
             .expect("open");
         let lane = g.lane("bench", 0);
-        // Precomputed fingerprints, so that xxh3 is not timed.
-        let pool: Vec<Fingerprint> = (0..8_000_000).map(fp).collect();
-        let mut next = 0u64;
-        let mut at = 0usize;
+        let mut feed = Feed {
+            g,
+            lane,
+            // Precomputed fingerprints, so that xxh3 is not timed.
+            pool: (0..8_000_000).map(fp).collect(),
+            at: 0,
+            next: 0,
+            retention,
+            per_live: Vec::new(),
+        };
         for _ in 0..=retention {
-            for _ in 0..PER {
-                g.record(lane, Some(next), Some(pool[at])).expect("record");
-                next += 1;
-                at += 1;
+            for _ in 0..RECORD_EPOCH {
+                let f = feed.pool[feed.at];
+                feed.g
+                    .record(lane, Some(feed.next), Some(f))
+                    .expect("record");
+                feed.next += 1;
+                feed.at += 1;
             }
-            g.checkpoint(&[(lane, next)], Vec::new())
-                .expect("checkpoint");
+            feed.checkpoint();
         }
-        let live = g.stats().live_epochs;
+        let live = feed.g.stats().live_epochs;
         group.bench_function(format!("{live}-live-epochs"), |b| {
-            b.iter_custom(|iters| {
-                let mut spent = Duration::ZERO;
-                for _ in 0..iters {
-                    if at + BATCH > pool.len() {
-                        // Past the pool: its fingerprints were dropped with
-                        // their epochs long ago, except the newest ones.
-                        at = 0;
-                        for _ in 0..=retention {
-                            g.checkpoint(&[(lane, next)], Vec::new())
-                                .expect("checkpoint");
-                        }
-                    }
-                    let started = thread_cpu_now();
-                    for &f in &pool[at..at + BATCH] {
-                        let v = g.record(lane, Some(next), Some(f)).expect("record");
-                        black_box(v);
-                        next += 1;
-                    }
-                    spent += thread_cpu_now().saturating_sub(started);
-                    at += BATCH;
-                    if next.is_multiple_of(PER) {
-                        g.checkpoint(&[(lane, next)], Vec::new())
-                            .expect("checkpoint");
-                    }
-                }
-                spent
-            })
+            b.iter_custom(|iters| (0..iters).map(|_| feed.one_by_one(false)).sum());
         });
         let mut verdicts = Vec::with_capacity(BATCH);
         let mut probes: Vec<Probe> = Vec::with_capacity(BATCH);
         group.bench_function(format!("{live}-live-epochs/batched"), |b| {
             b.iter_custom(|iters| {
-                let mut spent = Duration::ZERO;
-                for _ in 0..iters {
-                    if at + BATCH > pool.len() {
-                        at = 0;
-                        for _ in 0..=retention {
-                            g.checkpoint(&[(lane, next)], Vec::new())
-                                .expect("checkpoint");
-                        }
-                    }
-                    probes.clear();
-                    probes.extend(
-                        pool[at..at + BATCH]
-                            .iter()
-                            .enumerate()
-                            .map(|(k, &f)| Probe::new(lane, Some(next + k as u64), Some(f))),
-                    );
-                    let started = thread_cpu_now();
-                    g.record_many(&probes, &mut verdicts).expect("record_many");
-                    spent += thread_cpu_now().saturating_sub(started);
-                    assert!(verdicts.iter().all(|v| v.is_fresh()));
-                    next += BATCH as u64;
-                    at += BATCH;
-                    if next.is_multiple_of(PER) {
-                        g.checkpoint(&[(lane, next)], Vec::new())
-                            .expect("checkpoint");
-                    }
-                }
-                spent
-            })
+                (0..iters)
+                    .map(|_| feed.batched(&mut probes, &mut verdicts))
+                    .sum()
+            });
         });
-        // Index memory per live fingerprint after each checkpoint: the
-        // table also holds entries below the floor until a purge.
-        let mut per_live: Vec<f64> = Vec::new();
+        feed.per_live.clear();
         group.bench_function(format!("{live}-live-epochs/checkpoints-included"), |b| {
-            b.iter_custom(|iters| {
-                let mut spent = Duration::ZERO;
-                for _ in 0..iters {
-                    if at + BATCH > pool.len() {
-                        at = 0;
-                        for _ in 0..=retention {
-                            g.checkpoint(&[(lane, next)], Vec::new())
-                                .expect("checkpoint");
-                        }
-                    }
-                    let started = thread_cpu_now();
-                    for &f in &pool[at..at + BATCH] {
-                        let v = g.record(lane, Some(next), Some(f)).expect("record");
-                        black_box(v);
-                        next += 1;
-                    }
-                    if next.is_multiple_of(PER) {
-                        g.checkpoint(&[(lane, next)], Vec::new())
-                            .expect("checkpoint");
-                        spent += thread_cpu_now().saturating_sub(started);
-                        let s = g.stats();
-                        per_live.push(s.memory_bytes as f64 / s.live_fingerprints.max(1) as f64);
-                    } else {
-                        spent += thread_cpu_now().saturating_sub(started);
-                    }
-                    at += BATCH;
-                }
-                spent
-            })
+            b.iter_custom(|iters| (0..iters).map(|_| feed.one_by_one(true)).sum());
         });
+        let mut per_live = std::mem::take(&mut feed.per_live);
         per_live.sort_by(f64::total_cmp);
         if let (Some(lo), Some(hi)) = (per_live.first(), per_live.last()) {
             eprintln!(
@@ -636,7 +658,7 @@ fn record(c: &mut Criterion<ThreadCpu>) {
                 per_live.len()
             );
         }
-        assert_eq!(g.stats().live_epochs, live);
+        assert_eq!(feed.g.stats().live_epochs, live);
         keep.push(dir);
     }
     group.finish();
