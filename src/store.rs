@@ -472,6 +472,11 @@ impl Store {
     /// `counted` key names if it was written with the manifest found, else
     /// the epoch after the open one (whose chunks may lack counts). With no
     /// manifest and no chunks, every chunk to come is counted.
+    ///
+    /// A build that does not know `counts` and stopped before its first
+    /// checkpoint leaves the manifest as it was, with chunks of the open
+    /// epoch that have no count. This build would close that epoch under
+    /// the same claim, so the open epoch's chunks are checked here.
     fn counted_from(&self, manifest: Option<&Manifest>) -> Result<u64> {
         let Some(m) = manifest else {
             let empty = self.chunks.first_key_value().is_none();
@@ -484,9 +489,23 @@ impl Store {
             && c[8..] == xxh3_64(&raw).to_be_bytes()
         {
             let (from, _) = c.split_at(8);
-            return Ok(u64::from_be_bytes(from.try_into().unwrap_or_default()));
+            let from = u64::from_be_bytes(from.try_into().unwrap_or_default());
+            if from > m.epoch || self.all_counted(m.epoch)? {
+                return Ok(from);
+            }
         }
         Ok(m.epoch + 1)
+    }
+
+    /// Whether every chunk of `epoch` has its count.
+    fn all_counted(&self, epoch: u64) -> Result<bool> {
+        for g in self.chunks.prefix(epoch.to_be_bytes()) {
+            let k = g.key().map_err(|e| self.read_err(e))?;
+            if !self.counts.contains_key(&k).map_err(|e| self.read_err(e))? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     fn load_meta(&self, creating: bool) -> Result<Loaded> {
@@ -1177,6 +1196,36 @@ mod test {
         assert_eq!(store.drop_epochs_before(5)?, 10);
         assert_eq!(store.chunks.iter().count(), 0);
         assert_eq!(store.counts.iter().count(), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn an_open_epoch_with_chunks_of_an_older_build_is_not_counted() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
+        {
+            let (store, _) = Store::open(dir.path())?;
+            write_epoch(&store, 0)?;
+            write_epoch(&store, 1)?;
+            // An older build then wrote a chunk of the open epoch 2 and
+            // stopped before its first checkpoint.
+            store
+                .chunks
+                .insert(chunk_key(2, 0, 1), chunk(5).encode()?)
+                .map_err(|e| store.err(e))?;
+        }
+        let (store, _) = Store::open(dir.path())?;
+        assert_eq!(store.counted_from, 3);
+        // This build closes epoch 2 with chunks of its own.
+        write_epoch(&store, 2)?;
+        drop(store);
+        let (store, _) = Store::open(dir.path())?;
+        assert_eq!(store.counted_from, 3);
+        let mut want = expected(0..3);
+        want.push((2, 0, 5));
+        want.sort_unstable();
+        assert_eq!(counted(&store, 0, 3)?, want);
+        assert_eq!(store.drop_epochs_before(3)?, 7);
+        assert_eq!(store.chunks.iter().count(), 0);
         Ok(())
     }
 
