@@ -28,8 +28,9 @@
 //!     a memory budget reads them to decide what fits, instead of reading
 //!     every chunk twice. `meta: counted` (`from` u64 BE, then the xxh3 of
 //!     the manifest value it was written with, u64 BE) says that every
-//!     chunk of the epochs from `from` up to that manifest's open epoch has
-//!     its count. A build that does not know `counts` writes manifests
+//!     chunk of the epochs from `from` on has its count; the open epoch's
+//!     chunks are checked at open, since a build that does not know
+//!     `counts` may have written some after the manifest. A build that does not know `counts` writes manifests
 //!     without the key beside them, so the sum no longer matches and the
 //!     counts are not trusted; chunks without a trusted count are counted
 //!     from their headers, as before.
@@ -260,8 +261,8 @@ pub struct Store {
     chunks: Keyspace,
     sealed: Keyspace,
     counts: Keyspace,
-    /// Every chunk of the epochs from this one up to the manifest's open
-    /// epoch has its count in `counts`.
+    /// Every chunk of the epochs from this one on has its count in
+    /// `counts`.
     counted_from: u64,
     /// The oldest live epoch, as the compaction filter of `sealed` sees it.
     oldest_live: Arc<AtomicU64>,
@@ -468,10 +469,10 @@ impl Store {
         read_err(&self.path, e)
     }
 
-    /// The first epoch whose chunks all have a trusted count: the one the
-    /// `counted` key names if it was written with the manifest found, else
-    /// the epoch after the open one (whose chunks may lack counts). With no
-    /// manifest and no chunks, every chunk to come is counted.
+    /// The first epoch from which every chunk has a trusted count: the one
+    /// the `counted` key names if it was written with the manifest found,
+    /// else the epoch after the open one (whose chunks may lack counts).
+    /// With no manifest and no chunks, every chunk to come is counted.
     ///
     /// A build that does not know `counts` and stopped before its first
     /// checkpoint leaves the manifest as it was, with chunks of the open
@@ -561,7 +562,7 @@ impl Store {
     }
 
     /// Streams every chunk of the epochs at or after `oldest`, calling `f`
-    /// with (epoch, lane, chunk). Chunks of older epochs are left over from a
+    /// with (epoch, lane, seq, chunk). Chunks of older epochs are left over from a
     /// drop that a crash interrupted; they are deleted.
     ///
     /// # Errors
@@ -570,7 +571,7 @@ impl Store {
     pub fn load_chunks(
         &self,
         oldest: u64,
-        mut f: impl FnMut(u64, u32, Chunk) -> Result<()>,
+        mut f: impl FnMut(u64, u32, u64, Chunk) -> Result<()>,
     ) -> Result<()> {
         if oldest > 0 {
             self.drop_epochs_before(oldest)?;
@@ -581,22 +582,7 @@ impl Store {
                 parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
             let chunk = Chunk::decode(&v)
                 .map_err(|w| self.corrupt(format!("chunk {epoch}/{lane}/{seq}: {w}")))?;
-            f(epoch, lane, chunk)?;
-        }
-        Ok(())
-    }
-
-    /// Calls `f(lane, seq)` for every chunk key of `epoch` (keys only).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Corrupt`] for a malformed key; [`Error::Store`] for I/O.
-    pub fn chunk_seqs(&self, epoch: u64, mut f: impl FnMut(u32, u64)) -> Result<()> {
-        for g in self.chunks.prefix(epoch.to_be_bytes()) {
-            let k = g.key().map_err(|e| self.read_err(e))?;
-            let (_, lane, seq) =
-                parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;
-            f(lane, seq);
+            f(epoch, lane, seq, chunk)?;
         }
         Ok(())
     }
@@ -695,30 +681,19 @@ impl Store {
     }
 
     /// Counts the content hashes of every chunk of the epochs at or after
-    /// `oldest`, per chunk as (epoch, lane, count). The closed epochs whose
-    /// counts are trusted are read from `counts`; the others, and `open`
-    /// and later, from each chunk's header (reading the chunk). The full
-    /// read that follows checks the checksums.
+    /// `oldest`, per chunk as (epoch, lane, count). The epochs whose counts
+    /// are trusted are read from `counts`; older ones from each chunk's
+    /// header (reading the chunk). The full read that follows checks the
+    /// checksums.
     ///
     /// # Errors
     ///
     /// [`Error::Corrupt`] for a malformed key, count or header;
     /// [`Error::Store`] for I/O.
-    pub fn count_hashes(
-        &self,
-        oldest: u64,
-        open: u64,
-        mut f: impl FnMut(u64, u32, u64),
-    ) -> Result<()> {
-        let counted = self.counted_from.max(oldest)..open;
-        if counted.is_empty() {
-            return self.count_headers(oldest, None, &mut f);
-        }
-        self.count_headers(oldest, Some(counted.start), &mut f)?;
-        for g in self
-            .counts
-            .range(chunk_key(counted.start, 0, 0)..chunk_key(counted.end, 0, 0))
-        {
+    pub fn count_hashes(&self, oldest: u64, mut f: impl FnMut(u64, u32, u64)) -> Result<()> {
+        let counted = self.counted_from.max(oldest);
+        self.count_headers(oldest, Some(counted), &mut f)?;
+        for g in self.counts.range(chunk_key(counted, 0, 0)..) {
             let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
             let (epoch, lane, _) =
                 parse_chunk_key(&k).ok_or_else(|| self.corrupt("a count key is malformed"))?;
@@ -727,7 +702,7 @@ impl Store {
             })?;
             f(epoch, lane, u64::from(u32::from_le_bytes(n)));
         }
-        self.count_headers(counted.end, None, &mut f)
+        Ok(())
     }
 
     /// Counts from each chunk's header, for the epochs from `from` on and,
@@ -1102,9 +1077,9 @@ mod test {
         )
     }
 
-    fn counted(store: &Store, oldest: u64, open: u64) -> Result<Vec<(u64, u32, u64)>> {
+    fn counted(store: &Store, oldest: u64) -> Result<Vec<(u64, u32, u64)>> {
         let mut out = Vec::new();
-        store.count_hashes(oldest, open, |e, l, n| out.push((e, l, n)))?;
+        store.count_hashes(oldest, |e, l, n| out.push((e, l, n)))?;
         out.sort_unstable();
         Ok(out)
     }
@@ -1138,10 +1113,10 @@ mod test {
         assert_eq!(store.counted_from, 0);
         let mut want = expected(0..3);
         want.push((3, 0, 7));
-        assert_eq!(counted(&store, 0, 3)?, want);
-        assert_eq!(counted(&store, 1, 3)?, want[2..].to_vec());
-        // A closed epoch's count is read from `counts`, not from its chunk:
-        // a count that says otherwise wins (and the open epoch's does not).
+        assert_eq!(counted(&store, 0)?, want);
+        assert_eq!(counted(&store, 1)?, want[2..].to_vec());
+        // A count is read from `counts`, not from its chunk: a count that
+        // says otherwise wins, in a closed epoch and in the open one.
         store
             .counts
             .insert(chunk_key(1, 0, 0), 99u32.to_le_bytes())
@@ -1151,12 +1126,13 @@ mod test {
             .insert(chunk_key(3, 0, 0), 99u32.to_le_bytes())
             .map_err(|e| store.err(e))?;
         want[2].2 = 99;
-        assert_eq!(counted(&store, 0, 3)?, want);
+        want[6].2 = 99;
+        assert_eq!(counted(&store, 0)?, want);
         // Dropping epochs drops their counts too.
         assert_eq!(store.drop_epochs_before(2)?, 4);
         assert_eq!(store.counts.range(..chunk_key(2, 0, 0)).count(), 0);
         assert_eq!(store.chunks.range(..chunk_key(2, 0, 0)).count(), 0);
-        assert_eq!(counted(&store, 2, 3)?, want[4..].to_vec());
+        assert_eq!(counted(&store, 2)?, want[4..].to_vec());
         Ok(())
     }
 
@@ -1183,7 +1159,7 @@ mod test {
         }
         let (store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 4);
-        assert_eq!(counted(&store, 0, 3)?, expected(0..3));
+        assert_eq!(counted(&store, 0)?, expected(0..3));
         // This build closes epochs 3 and 4; from 4 on its counts are trusted
         // again (epoch 3 was open when it came, so its chunks may lack them).
         write_epoch(&store, 3)?;
@@ -1191,7 +1167,7 @@ mod test {
         drop(store);
         let (store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 4);
-        assert_eq!(counted(&store, 0, 5)?, expected(0..5));
+        assert_eq!(counted(&store, 0)?, expected(0..5));
         // Chunks without a count are dropped all the same.
         assert_eq!(store.drop_epochs_before(5)?, 10);
         assert_eq!(store.chunks.iter().count(), 0);
@@ -1223,7 +1199,7 @@ mod test {
         let mut want = expected(0..3);
         want.push((2, 0, 5));
         want.sort_unstable();
-        assert_eq!(counted(&store, 0, 3)?, want);
+        assert_eq!(counted(&store, 0)?, want);
         assert_eq!(store.drop_epochs_before(3)?, 7);
         assert_eq!(store.chunks.iter().count(), 0);
         Ok(())

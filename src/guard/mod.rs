@@ -358,8 +358,6 @@ impl Guard {
         guard.restore_lanes(loaded.lanes)?;
         let (floor, disk_counts) = guard.memory_floor()?;
         guard.load_epochs(floor, &disk_counts)?;
-        // New chunks in the open epoch must not overwrite old ones.
-        guard.resume_sequences()?;
         guard.stats.epoch = epoch;
         guard.refresh_live();
         guard.stats.last_recovery = started.elapsed();
@@ -407,7 +405,7 @@ impl Guard {
             None => oldest,
             Some(budget) => {
                 let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
-                self.store.count_hashes(oldest, epoch, |e, lane, n| {
+                self.store.count_hashes(oldest, |e, lane, n| {
                     *per_epoch.entry(e).or_default() += n;
                     per_lane.push((e, lane, n));
                 })?;
@@ -425,7 +423,7 @@ impl Guard {
         };
         let floor = floor.max(epoch.saturating_sub(TAG_SPAN / 4)).min(epoch);
         if floor > oldest && self.cfg.max_memory_bytes.is_none() {
-            self.store.count_hashes(oldest, epoch, |e, lane, n| {
+            self.store.count_hashes(oldest, |e, lane, n| {
                 per_lane.push((e, lane, n));
             })?;
         }
@@ -442,7 +440,8 @@ impl Guard {
     /// Loads every live epoch's chunks: offsets and ids into the lanes'
     /// bitmaps, hashes from `floor` on into memory, older ones into the
     /// disk filter (and the on-disk index where it does not cover them
-    /// yet).
+    /// yet), and the next free chunk sequence of each lane in the open
+    /// epoch.
     fn load_epochs(&mut self, floor: u64, disk_counts: &[u64]) -> Result<()> {
         let (epoch, oldest) = (self.epoch, self.oldest);
         self.floor = floor;
@@ -461,11 +460,15 @@ impl Guard {
         let journal = self.cfg.journal;
         let mut counts: BTreeMap<(u32, u64), [u64; 3]> = BTreeMap::new();
         let mut seen_below = vec![0u64; lanes.len()];
-        self.store.load_chunks(oldest, |e, lane, chunk| {
+        self.store.load_chunks(oldest, |e, lane, seq, chunk| {
             let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
                 path: path.clone(),
                 what: format!("a chunk names lane {lane}, which is not in the lane table"),
             })?;
+            if e == epoch {
+                // New chunks in the open epoch must not overwrite old ones.
+                l.next_seq = l.next_seq.max(seq + 1);
+            }
             if journal && e == epoch {
                 crate::changelog::merge(&mut l.journal, chunk.clone());
             } else if journal {
@@ -524,17 +527,6 @@ impl Guard {
             self.store.spill(entries, floor - 1)?;
         }
         Ok(())
-    }
-
-    /// Finds the next free chunk sequence of every lane in the open epoch.
-    fn resume_sequences(&mut self) -> Result<()> {
-        let epoch = self.epoch;
-        let lanes = &mut self.lanes;
-        self.store.chunk_seqs(epoch, |lane, seq| {
-            if let Some(l) = lanes.get_mut(lane as usize) {
-                l.next_seq = l.next_seq.max(seq + 1);
-            }
-        })
     }
 
     fn push_lane(&mut self, name: LaneName, persisted: bool) -> LaneId {
