@@ -996,6 +996,35 @@ fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> 
 }
 
 #[test]
+fn a_budget_of_0_keeps_no_sealed_epoch_in_memory_even_after_empty_ones() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let open = || {
+        Guard::builder(dir.path())
+            .retention_epochs(5)
+            .max_memory_bytes(Some(0))
+            .open()
+    };
+    let mut g = open()?;
+    let lane = g.lane("t", 0);
+    for i in 0..1_000u64 {
+        g.record(lane, Some(i), Some(hash(i)))?;
+    }
+    g.checkpoint(&[(lane, 1_000)], Vec::new())?;
+    // Epoch 1 closes empty, and the open epoch 2 stays empty.
+    g.checkpoint(&[(lane, 1_000)], Vec::new())?;
+    let live = g.stats();
+    assert_eq!((live.memory_floor, live.disk_fingerprints), (2, 1_000));
+    drop(g);
+    let g = open()?;
+    let s = g.stats();
+    assert_eq!(
+        (s.memory_floor, s.disk_fingerprints, s.memory_fingerprints),
+        (2, 1_000, 0)
+    );
+    Ok(())
+}
+
+#[test]
 fn batched_calls_answer_like_single_ones() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let mut g = Guard::builder(dir.path()).retention_epochs(2).open()?;
