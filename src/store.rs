@@ -30,10 +30,10 @@
 //!     the manifest value it was written with, u64 BE) says that every
 //!     chunk of the epochs from `from` on has its count; the open epoch's
 //!     chunks are checked at open, since a build that does not know
-//!     `counts` may have written some after the manifest. A build that does not know `counts` writes manifests
-//!     without the key beside them, so the sum no longer matches and the
-//!     counts are not trusted; chunks without a trusted count are counted
-//!     from their headers, as before.
+//!     `counts` may have written some after the manifest. Such a build
+//!     writes manifests without the key beside them, so the sum no longer
+//!     matches and the counts are not trusted; chunks without a trusted
+//!     count are counted from their headers, as before.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -428,8 +428,8 @@ impl Store {
             oldest_live,
             db,
         };
-        let loaded = store.load_meta(creating)?;
-        store.counted_from = store.counted_from(loaded.manifest.as_ref())?;
+        let (loaded, manifest_sum) = store.load_meta(creating)?;
+        store.counted_from = store.counted_from(loaded.manifest.as_ref(), manifest_sum)?;
         if creating {
             write_marker(path, false).map_err(open_err)?;
         }
@@ -478,16 +478,15 @@ impl Store {
     /// checkpoint leaves the manifest as it was, with chunks of the open
     /// epoch that have no count. This build would close that epoch under
     /// the same claim, so the open epoch's chunks are checked here.
-    fn counted_from(&self, manifest: Option<&Manifest>) -> Result<u64> {
-        let Some(m) = manifest else {
+    fn counted_from(&self, manifest: Option<&Manifest>, manifest_sum: Option<u64>) -> Result<u64> {
+        let (Some(m), Some(sum)) = (manifest, manifest_sum) else {
             let empty = self.chunks.first_key_value().is_none();
             return Ok(if empty { 0 } else { 1 });
         };
-        let raw = self.meta.get("manifest").map_err(|e| self.read_err(e))?;
         let counted = self.meta.get("counted").map_err(|e| self.read_err(e))?;
-        if let (Some(raw), Some(c)) = (raw, counted)
+        if let Some(c) = counted
             && let Ok(c) = <[u8; 16]>::try_from(&*c)
-            && c[8..] == xxh3_64(&raw).to_be_bytes()
+            && c[8..] == sum.to_be_bytes()
         {
             let (from, _) = c.split_at(8);
             let from = u64::from_be_bytes(from.try_into().unwrap_or_default());
@@ -509,7 +508,9 @@ impl Store {
         Ok(true)
     }
 
-    fn load_meta(&self, creating: bool) -> Result<Loaded> {
+    /// The manifest and the lane table, and the xxh3 of the manifest's
+    /// value (what `counted` is checked against).
+    fn load_meta(&self, creating: bool) -> Result<(Loaded, Option<u64>)> {
         match self.meta.get("format").map_err(|e| self.read_err(e))? {
             Some(v) => {
                 if v.len() != 12 || &v[..8] != MAGIC {
@@ -544,10 +545,14 @@ impl Store {
                 b.commit().map_err(|e| self.err(e))?;
             }
         }
-        let manifest = match self.meta.get("manifest").map_err(|e| self.read_err(e))? {
-            None => None,
-            Some(v) => Some(decode_manifest(&v).map_err(|w| self.corrupt(w))?),
-        };
+        let (manifest, manifest_sum) =
+            match self.meta.get("manifest").map_err(|e| self.read_err(e))? {
+                None => (None, None),
+                Some(v) => (
+                    Some(decode_manifest(&v).map_err(|w| self.corrupt(w))?),
+                    Some(xxh3_64(&v)),
+                ),
+            };
         let mut lanes = Vec::new();
         for g in self.lanes.iter() {
             let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
@@ -558,7 +563,7 @@ impl Store {
                 .map_err(|e| self.corrupt(format!("a lane entry is malformed: {e}")))?;
             lanes.push((u32::from_be_bytes(id), name));
         }
-        Ok(Loaded { manifest, lanes })
+        Ok((Loaded { manifest, lanes }, manifest_sum))
     }
 
     /// Streams every chunk of the epochs at or after `oldest`, calling `f`

@@ -455,9 +455,8 @@ impl FpTable {
 
     /// Drops every entry whose tag `drop` accepts, then lays the table out
     /// again, one growth step emptier than `PACKED_LOAD_PCT` full, if it is
-    /// much emptier than that. One
-    /// pass over the slots, in place, and one over the filter. Returns the
-    /// number of entries dropped.
+    /// much emptier than that. One pass over the slots, in place, and one
+    /// over the filter. Returns the number of entries dropped.
     pub fn purge(&mut self, drop: impl Fn(u32) -> bool) -> usize {
         let before = self.len();
         if self.zero.is_some_and(&drop) {
