@@ -1082,6 +1082,14 @@ mod test {
         )
     }
 
+    /// A chunk as a build that does not know `counts` wrote it: no count.
+    fn write_uncounted(store: &Store, key: [u8; 20], hashes: u128) -> Result<()> {
+        store
+            .chunks
+            .insert(key, chunk(hashes).encode()?)
+            .map_err(|e| store.err(e))
+    }
+
     fn counted(store: &Store, oldest: u64) -> Result<Vec<(u64, u32, u64)>> {
         let mut out = Vec::new();
         store.count_hashes(oldest, |e, l, n| out.push((e, l, n)))?;
@@ -1151,10 +1159,7 @@ mod test {
             // and 2 have no count, and its manifests no `counted` beside them.
             for e in 1..3 {
                 for (lane, n) in [(0, 10 * e + 1), (1, 10 * e + 2)] {
-                    store
-                        .chunks
-                        .insert(chunk_key(e, lane, 0), chunk(u128::from(n)).encode()?)
-                        .map_err(|e| store.err(e))?;
+                    write_uncounted(&store, chunk_key(e, lane, 0), u128::from(n))?;
                 }
                 store
                     .meta
@@ -1189,10 +1194,7 @@ mod test {
             write_epoch(&store, 1)?;
             // An older build then wrote a chunk of the open epoch 2 and
             // stopped before its first checkpoint.
-            store
-                .chunks
-                .insert(chunk_key(2, 0, 1), chunk(5).encode()?)
-                .map_err(|e| store.err(e))?;
+            write_uncounted(&store, chunk_key(2, 0, 1), 5)?;
         }
         let (store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 3);

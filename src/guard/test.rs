@@ -956,15 +956,18 @@ fn sealed_epochs_on_disk_answer_like_memory_across_reopens() -> Result<()> {
     Ok(())
 }
 
+/// A guard keeping 5 closed epochs, all of them on disk.
+fn budget_0(path: &std::path::Path) -> Result<Guard> {
+    Guard::builder(path)
+        .retention_epochs(5)
+        .max_memory_bytes(Some(0))
+        .open()
+}
+
 #[test]
 fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let open = || {
-        Guard::builder(dir.path())
-            .retention_epochs(5)
-            .max_memory_bytes(Some(0))
-            .open()
-    };
+    let open = || budget_0(dir.path());
     let mut g = open()?;
     let lane = g.lane("t", 0);
     for e in 0..3u64 {
@@ -998,12 +1001,7 @@ fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> 
 #[test]
 fn a_budget_of_0_keeps_no_sealed_epoch_in_memory_even_after_empty_ones() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let open = || {
-        Guard::builder(dir.path())
-            .retention_epochs(5)
-            .max_memory_bytes(Some(0))
-            .open()
-    };
+    let open = || budget_0(dir.path());
     let mut g = open()?;
     let lane = g.lane("t", 0);
     for i in 0..1_000u64 {
