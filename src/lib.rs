@@ -126,7 +126,9 @@ mod store;
 pub use error::{Error, Result, StoreError};
 pub use fingerprint::{Fingerprint, Identity, IdentityFn};
 pub use folder::{FolderUse, check_state_folder};
-pub use guard::{CheckpointReport, Guard, GuardBuilder, LaneId, Probe, Stats, Verdict};
+pub use guard::{
+    CheckpointReport, EpochContent, FolderView, Guard, GuardBuilder, LaneId, Probe, Stats, Verdict,
+};
 pub use index::Reason;
 pub use job::{Binding, Job, JobKind};
 pub use offsets::OffsetSet;

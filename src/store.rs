@@ -326,6 +326,10 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// A keyspace's name, a key and its value.
+#[cfg(test)]
+pub(crate) type KeptEntry = (&'static str, Vec<u8>, Vec<u8>);
+
 /// What recovery read from disk.
 #[derive(Debug, Default)]
 pub struct Loaded {
@@ -344,11 +348,41 @@ impl Store {
     /// [`Error::Corrupt`], [`Error::InUse`] or [`Error::Open`], each naming
     /// the folder.
     pub fn open(path: &Path) -> Result<(Self, Loaded)> {
+        match Self::open_with(path, false)? {
+            Some(opened) => Ok(opened),
+            None => Err(Error::Corrupt {
+                path: path.to_owned(),
+                what: "the store did not open".into(),
+            }),
+        }
+    }
+
+    /// Opens an existing state folder to read it, writing nothing that the
+    /// guard keeps: no leftover chunk is deleted, no index of sealed hashes
+    /// is built or rebuilt, and no marker or format key is written. fjall
+    /// may still tidy its own files under `db/` (its journal, its version
+    /// files), and a folder written before the `counts` or `sealed`
+    /// keyspace existed gets it, empty. `None` for a folder whose creation
+    /// was cut short: it holds nothing yet. Use only [`Store`]'s reads on
+    /// what it returns.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::open`], and [`Error::StateFolder`] for a path that is
+    /// not a state folder.
+    pub fn open_read_only(path: &Path) -> Result<Option<(Self, Loaded)>> {
+        crate::folder::check_state_folder(path, crate::folder::FolderUse::Existing)?;
+        Self::open_with(path, true)
+    }
+
+    fn open_with(path: &Path, read_only: bool) -> Result<Option<(Self, Loaded)>> {
         let open_err = |source| Error::Open {
             path: path.to_owned(),
             source,
         };
-        std::fs::create_dir_all(path).map_err(open_err)?;
+        if !read_only {
+            std::fs::create_dir_all(path).map_err(open_err)?;
+        }
         let marker = path.join(MARKER);
         let db_path = path.join("db");
         // The marker says "creating" until the database holds its format
@@ -364,7 +398,15 @@ impl Store {
                         what: "its database folder db/ is missing".into(),
                     });
                 }
+                if creating && read_only {
+                    return Ok(None);
+                }
                 creating
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && read_only => {
+                return Err(Error::ForeignState {
+                    path: path.to_owned(),
+                });
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if !is_new_folder(path).map_err(open_err)? {
@@ -416,7 +458,12 @@ impl Store {
                 .map_err(|e| read_err(path, e))
         };
         let meta = ks("meta")?;
-        let sealed = open_sealed(&db, &meta, path)?;
+        let sealed = if read_only {
+            db.keyspace("sealed", sealed_options)
+                .map_err(|e| read_err(path, e))?
+        } else {
+            open_sealed(&db, &meta, path)?
+        };
         let mut store = Store {
             path: path.to_owned(),
             meta,
@@ -433,7 +480,7 @@ impl Store {
         if creating {
             write_marker(path, false).map_err(open_err)?;
         }
-        Ok((store, loaded))
+        Ok(Some((store, loaded)))
     }
 
     /// Makes the folder look as if a build before the partitioned
@@ -446,6 +493,26 @@ impl Store {
         self.db
             .persist(PersistMode::SyncAll)
             .map_err(|e| self.err(e))
+    }
+
+    /// Every key and value the guard keeps, by keyspace: what a read-only
+    /// open must leave as it found it.
+    #[cfg(test)]
+    pub(crate) fn dump(&self) -> Result<Vec<KeptEntry>> {
+        let mut out = Vec::new();
+        for (name, ks) in [
+            ("meta", &self.meta),
+            ("lanes", &self.lanes),
+            ("chunks", &self.chunks),
+            ("sealed", &self.sealed),
+            ("counts", &self.counts),
+        ] {
+            for g in ks.iter() {
+                let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
+                out.push((name, k.to_vec(), v.to_vec()));
+            }
+        }
+        Ok(out)
     }
 
     /// The state folder.
@@ -576,12 +643,33 @@ impl Store {
     pub fn load_chunks(
         &self,
         oldest: u64,
-        mut f: impl FnMut(u64, u32, u64, Chunk) -> Result<()>,
+        f: impl FnMut(u64, u32, u64, Chunk) -> Result<()>,
     ) -> Result<()> {
         if oldest > 0 {
             self.drop_epochs_before(oldest)?;
         }
-        for g in self.chunks.range(chunk_key(oldest, 0, 0)..) {
+        self.read_chunks(oldest, None, f)
+    }
+
+    /// Streams every chunk of the epochs from `from` on and, with `to`,
+    /// before it, calling `f` with (epoch, lane, seq, chunk). Changes
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Corrupt`] for a malformed key or chunk; [`Error::Store`] for I/O.
+    pub fn read_chunks(
+        &self,
+        from: u64,
+        to: Option<u64>,
+        mut f: impl FnMut(u64, u32, u64, Chunk) -> Result<()>,
+    ) -> Result<()> {
+        use std::ops::Bound;
+        let end = to.map_or(Bound::Unbounded, |e| Bound::Excluded(chunk_key(e, 0, 0)));
+        for g in self
+            .chunks
+            .range((Bound::Included(chunk_key(from, 0, 0)), end))
+        {
             let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
             let (epoch, lane, seq) =
                 parse_chunk_key(&k).ok_or_else(|| self.corrupt("a chunk key is malformed"))?;

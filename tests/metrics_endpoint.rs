@@ -158,7 +158,13 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     let port = free_port()?;
     let mut proc = Proc::spawn(
         "pipe".into(),
-        &mut pipe(&broker, &dir.path().join("state"), port, &[]),
+        // Every sealed epoch's hashes on disk, and all of them live.
+        &mut pipe(
+            &broker,
+            &dir.path().join("state"),
+            port,
+            &["--max-memory", "0", "--retention-time", "1h"],
+        ),
         dir.path().join("pipe.log"),
     )?;
     let agent = client();
@@ -176,7 +182,23 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
             && total(s, "replayguard_consumer_lag") == 0.0
             && value(s, "replayguard_checkpoints_total")
                 > value(&first, "replayguard_checkpoints_total")
+            // The state gauges are as of the last checkpoint: one that
+            // came after the second 500.
+            && value(s, "replayguard_live_fingerprints") == 1000.0
     })?;
+    // The split between memory and disk: the first 500 were sealed by a
+    // checkpoint since, so their hashes are on disk behind a filter.
+    let on_disk = value(&s, "replayguard_disk_fingerprints");
+    assert!((500.0..=1000.0).contains(&on_disk), "{s:?}");
+    assert!(
+        value(&s, "replayguard_state_disk_filter_bytes") > 0.0,
+        "{s:?}"
+    );
+    assert!(
+        value(&s, "replayguard_state_disk_index_bytes") > 0.0,
+        "{s:?}"
+    );
+    assert!(value(&s, "replayguard_disk_reads_total") >= 0.0, "{s:?}");
     assert_eq!(value(&s, "replayguard_records_in_total"), 1000.0);
     assert_eq!(value(&s, "replayguard_outputs_total"), 1000.0);
     assert_eq!(total(&s, "replayguard_duplicates_total"), 0.0);

@@ -31,6 +31,9 @@ const PREFETCH_AHEAD: usize = 16;
 
 #[cfg(test)]
 mod test;
+mod view;
+
+pub use view::{EpochContent, FolderView};
 
 /// One record of a batch for [`Guard::check_many`] and
 /// [`Guard::record_many`]: what [`Guard::check`] takes, in one value.

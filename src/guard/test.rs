@@ -998,6 +998,101 @@ fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> 
     Ok(())
 }
 
+/// What the guard keeps in a folder, read without changing it.
+fn kept(path: &std::path::Path) -> Result<Vec<crate::store::KeptEntry>> {
+    match Store::open_read_only(path)? {
+        Some((store, _)) => store.dump(),
+        None => Ok(Vec::new()),
+    }
+}
+
+#[test]
+fn inspect_reads_a_folder_as_the_guard_sees_it_and_changes_nothing() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    // No budget: every epoch in memory, so nothing is indexed on disk yet.
+    let mut g = Guard::builder(dir.path()).retention_epochs(2).open()?;
+    let (a, b) = (g.lane("t", 0), g.lane("t", 1));
+    for e in 0..4u64 {
+        for i in e * 100..(e + 1) * 100 {
+            g.record(a, Some(i), Some(hash(i)))?;
+            if i % 2 == 0 {
+                g.record(b, Some(i), Some(Fingerprint::id(i)))?;
+            }
+        }
+        g.checkpoint(&[(a, (e + 1) * 100), (b, (e + 1) * 100)], b"sink".to_vec())?;
+    }
+    // The open epoch holds flushed records too.
+    for i in 400..450u64 {
+        g.record(a, Some(i), Some(hash(i)))?;
+    }
+    g.flush()?;
+    let mut expected: Vec<(u64, String, i32, u64)> = g
+        .epoch_table()
+        .into_iter()
+        .map(|(lane, e, fps, offsets)| (e, lane.topic, lane.partition, fps * 1_000_000 + offsets))
+        .collect();
+    expected.sort();
+    drop(g);
+
+    let before = kept(dir.path())?;
+    let view = Guard::inspect(dir.path())?;
+    let again = Guard::inspect(dir.path())?;
+    assert_eq!(view, again);
+    assert_eq!(
+        kept(dir.path())?,
+        before,
+        "inspect changed what the guard keeps"
+    );
+    assert!(!before.is_empty());
+
+    let mut seen: Vec<(u64, String, i32, u64)> = view
+        .content
+        .iter()
+        .map(|c| {
+            let fps = c.hashes + c.ids;
+            (
+                c.epoch,
+                c.lane.topic.clone(),
+                c.lane.partition,
+                fps * 1_000_000 + c.offsets,
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(seen, expected);
+    assert_eq!(view.epoch, 4);
+    assert_eq!((view.open_hashes(), view.sealed_hashes()), (50, 200));
+    assert_eq!(
+        view.manifest.as_ref().map(|m| m.sink.clone()),
+        Some(b"sink".to_vec())
+    );
+    assert_eq!((view.disk_index_through, view.leftover_chunks), (None, 0));
+    assert!(view.disk_filter_bytes > 0);
+    assert!(view.memory_sealed_on_disk < view.memory_all_in, "{view:?}");
+
+    // What the guard itself does with a budget of 0, which inspect used to
+    // open with: it writes the on-disk index of the sealed hashes.
+    drop(budget_0(dir.path())?);
+    assert_ne!(kept(dir.path())?, before);
+    let view = Guard::inspect(dir.path())?;
+    assert_eq!(view.disk_index_through, Some(3));
+    assert!(view.disk_index_bytes > 0);
+
+    // Not a state folder, and a folder in use.
+    let empty = tempfile::tempdir()?;
+    assert!(matches!(
+        Guard::inspect(empty.path()),
+        Err(Error::StateFolder { .. })
+    ));
+    assert!(std::fs::read_dir(empty.path())?.next().is_none());
+    let _running = Guard::builder(dir.path()).open()?;
+    assert!(matches!(
+        Guard::inspect(dir.path()),
+        Err(Error::InUse { .. })
+    ));
+    Ok(())
+}
+
 #[test]
 fn a_budget_of_0_keeps_no_sealed_epoch_in_memory_even_after_empty_ones() -> Result<()> {
     let dir = tempfile::tempdir()?;

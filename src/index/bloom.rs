@@ -47,14 +47,23 @@ impl DiskFilter {
     #[must_use]
     pub fn with_capacity(capacity: u64) -> Self {
         let capacity = capacity.max(1024);
-        let blocks = (capacity as usize * BITS_PER_HASH).div_ceil(512);
-        let blocks = vec![Block::default(); blocks].into_boxed_slice();
+        let blocks = vec![Block::default(); Self::blocks_for(capacity)].into_boxed_slice();
         advise_huge_pages(&blocks);
         DiskFilter {
             blocks,
             capacity,
             inserted: 0,
         }
+    }
+
+    fn blocks_for(capacity: u64) -> usize {
+        (capacity.max(1024) as usize * BITS_PER_HASH).div_ceil(512)
+    }
+
+    /// Heap bytes of a filter made for `capacity` hashes.
+    #[must_use]
+    pub fn bytes_for(capacity: u64) -> u64 {
+        Self::blocks_for(capacity) as u64 * 64
     }
 
     /// Adds a hash.

@@ -444,6 +444,12 @@ impl Shared {
             metrics::gauge!("replayguard_epoch").set(st.epoch as f64);
             metrics::gauge!("replayguard_state_memory_bytes").set(st.memory_bytes as f64);
             metrics::gauge!("replayguard_state_disk_bytes").set(st.disk_bytes as f64);
+            metrics::gauge!("replayguard_disk_fingerprints").set(st.disk_fingerprints as f64);
+            metrics::gauge!("replayguard_state_disk_filter_bytes").set(st.disk_filter_bytes as f64);
+            metrics::gauge!("replayguard_state_disk_index_bytes").set(st.disk_index_bytes as f64);
+            // Counted by the engine since it opened.
+            metrics::counter!("replayguard_disk_reads_total").absolute(st.disk_reads);
+            metrics::counter!("replayguard_disk_hits_total").absolute(st.disk_hits);
         }
     }
 

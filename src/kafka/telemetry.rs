@@ -78,6 +78,31 @@ pub fn describe_metrics() {
         "Live content fingerprints, in memory or on disk."
     );
     describe_gauge!(
+        "replayguard_disk_fingerprints",
+        Unit::Count,
+        "Of the live fingerprints, the content hashes of sealed epochs kept on disk (under a memory budget)."
+    );
+    describe_gauge!(
+        "replayguard_state_disk_filter_bytes",
+        Unit::Bytes,
+        "Of the index's memory, the filters in front of the content hashes kept on disk."
+    );
+    describe_gauge!(
+        "replayguard_state_disk_index_bytes",
+        Unit::Bytes,
+        "Of the state folder's bytes, the index of the content hashes kept on disk."
+    );
+    describe_counter!(
+        "replayguard_disk_reads_total",
+        Unit::Count,
+        "Lookups that read the index on disk because its filter let them through (every resend of a hash on disk, and a few fresh records), since the guard opened."
+    );
+    describe_counter!(
+        "replayguard_disk_hits_total",
+        Unit::Count,
+        "Of those, the ones that found a live duplicate."
+    );
+    describe_gauge!(
         "replayguard_live_offsets",
         Unit::Count,
         "Live offsets (all in memory)."
@@ -118,6 +143,8 @@ pub fn describe_metrics() {
         "replayguard_outputs_total",
         "replayguard_checkpoints_total",
         "replayguard_reconciled_identities_total",
+        "replayguard_disk_reads_total",
+        "replayguard_disk_hits_total",
     ] {
         metrics::counter!(name).increment(0);
     }

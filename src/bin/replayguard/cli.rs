@@ -89,6 +89,14 @@ pub struct GuardArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub retention_time: Option<Duration>,
 
+    /// Memory the index may hold, for example `512MiB` or `2GB`; past it
+    /// each checkpoint moves the oldest sealed epochs' content hashes to
+    /// disk, behind a filter of about 1.8 bytes a hash, and a restart loads
+    /// only what fits. `0` keeps every sealed epoch's hashes on disk.
+    /// Default: no limit. The open epoch, offsets and ids stay in memory.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_memory: Option<u64>,
+
     /// Once every assigned partition is read to its high watermark, take a
     /// final checkpoint and exit 0.
     #[arg(long)]
@@ -241,6 +249,12 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{e} (use a duration such as 500ms, 2s, 1m or 1h)"))
 }
 
+fn parse_size(s: &str) -> Result<u64, String> {
+    s.parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("{e} (use a size such as 0, 512MiB, 2GB or 1GiB)"))
+}
+
 fn parse_format(s: &str) -> Result<Format, String> {
     s.parse()
 }
@@ -301,6 +315,7 @@ impl GuardArgs {
             .checkpoint_interval(self.checkpoint_interval)
             .retention_epochs(self.retention_epochs)
             .retention_time(self.retention_time)
+            .max_memory_bytes(self.max_memory)
             .stop_at_end(self.stop_at_end)
             .connect_attempts(self.connect_attempts)
             .rebind(self.rebind);
@@ -357,6 +372,8 @@ mod test {
             "500ms",
             "--retention-time",
             "1h",
+            "--max-memory",
+            "512MiB",
             "-X",
             "linger.ms=7",
         ])?;
@@ -367,6 +384,7 @@ mod test {
         assert_eq!(p.guard.identity, Identity::Header("id".into()));
         assert_eq!(p.guard.checkpoint_interval, Duration::from_millis(500));
         assert_eq!(p.guard.retention_time, Some(Duration::from_secs(3600)));
+        assert_eq!(p.guard.max_memory, Some(512 << 20));
         assert_eq!(
             p.guard.properties,
             vec![("linger.ms".to_owned(), "7".to_owned())]
@@ -383,6 +401,7 @@ mod test {
             ["--format", "%x"],
             ["--log-format", "xml"],
             ["--metrics-linger", "5s"],
+            ["--max-memory", "lots"],
         ] {
             let mut args = vec![
                 "replayguard",

@@ -24,16 +24,22 @@ struct Report {
     positions: Vec<Position>,
     epochs: Vec<EpochRow>,
     disk_bytes: u64,
-    memory_bytes: u64,
-    /// Live content fingerprints held in memory (the open epoch's, and
-    /// every user id): inspect keeps the sealed epochs' hashes on disk.
-    memory_fingerprints: u64,
-    /// Live content hashes of sealed epochs, answered from disk.
-    disk_fingerprints: u64,
-    /// Of `memory_bytes`, the filters in front of the hashes on disk.
-    disk_filter_bytes: u64,
-    /// Of `disk_bytes`, the on-disk index of those hashes.
+    /// Of `disk_bytes`, the on-disk index of sealed epochs' content hashes
+    /// (written when a guard keeps them on disk under a memory budget).
     disk_index_bytes: u64,
+    /// The newest epoch that index covers, if any.
+    disk_index_through: Option<u64>,
+    /// Chunks of dropped epochs that a crash left; the next run deletes them.
+    leftover_chunks: u64,
+    /// Live content hashes of the open epoch, and of the sealed epochs.
+    open_hashes: u64,
+    sealed_hashes: u64,
+    /// Memory a guard needs for these identities, estimated: with every
+    /// live epoch in memory, and with the sealed epochs' hashes on disk.
+    memory_all_in_bytes: u64,
+    memory_sealed_on_disk_bytes: u64,
+    /// Of the latter, the filters in front of the hashes on disk.
+    disk_filter_bytes: u64,
     /// The manifest's sink bytes, decoded when they are JSON.
     sink: Option<serde_json::Value>,
     /// The sink bytes in hex when they are not JSON.
@@ -98,20 +104,15 @@ pub fn run(args: &InspectArgs) -> Result<(), Failure> {
 }
 
 fn read(path: &Path) -> Result<Report, Failure> {
-    // Sealed epochs stay on disk, so a folder with a long retention is
-    // inspected without loading it into memory.
-    let guard = Guard::builder(path)
-        .max_memory_bytes(Some(0))
-        .open()
-        .map_err(|e| match e {
+    // Read-only: no index is loaded, and nothing the guard keeps is written.
+    let view = Guard::inspect(path).map_err(|e| match e {
         Error::InUse { path } => Failure::runtime(format!(
             "state folder {} is in use by a running replayguard; stop it first (inspect needs the folder's lock)",
             path.display()
         )),
         e => Failure::runtime(e),
     })?;
-    let stats = guard.stats();
-    let manifest = guard.manifest().cloned();
+    let manifest = view.manifest.clone();
     let mut epochs: BTreeMap<u64, EpochRow> = BTreeMap::new();
     let mut positions = Vec::new();
     let (mut sink, mut sink_hex) = (None, None);
@@ -136,15 +137,15 @@ fn read(path: &Path) -> Result<Report, Failure> {
             }
         }
     }
-    for (lane, epoch, fingerprints, offsets) in guard.epoch_table() {
-        let row = epochs.entry(epoch).or_default();
-        row.fingerprints += fingerprints;
-        row.offsets += offsets;
+    for c in &view.content {
+        let row = epochs.entry(c.epoch).or_default();
+        row.fingerprints += c.hashes + c.ids;
+        row.offsets += c.offsets;
         row.lanes.push(LaneRow {
-            topic: lane.topic,
-            partition: lane.partition,
-            fingerprints,
-            offsets,
+            topic: c.lane.topic.clone(),
+            partition: c.lane.partition,
+            fingerprints: c.hashes + c.ids,
+            offsets: c.offsets,
         });
     }
     let epochs = epochs
@@ -172,16 +173,19 @@ fn read(path: &Path) -> Result<Report, Failure> {
         path: path.display().to_string(),
         format: manifest.as_ref().map_or(FORMAT_VERSION, |m| m.format),
         job,
-        epoch: guard.epoch(),
+        epoch: view.epoch,
         checkpointed_at_ms: manifest.as_ref().map(|m| m.checkpointed_at_ms),
         positions,
         epochs,
-        disk_bytes: stats.disk_bytes,
-        memory_bytes: stats.memory_bytes,
-        memory_fingerprints: stats.memory_fingerprints,
-        disk_fingerprints: stats.disk_fingerprints,
-        disk_filter_bytes: stats.disk_filter_bytes,
-        disk_index_bytes: stats.disk_index_bytes,
+        disk_bytes: view.disk_bytes,
+        disk_index_bytes: view.disk_index_bytes,
+        disk_index_through: view.disk_index_through,
+        leftover_chunks: view.leftover_chunks,
+        open_hashes: view.open_hashes(),
+        sealed_hashes: view.sealed_hashes(),
+        memory_all_in_bytes: view.memory_all_in,
+        memory_sealed_on_disk_bytes: view.memory_sealed_on_disk,
+        disk_filter_bytes: view.disk_filter_bytes,
         sink,
         sink_hex,
         changelog,
@@ -221,14 +225,28 @@ fn table(r: &Report) -> String {
         None => t += "job           none recorded yet\n",
     }
     t += &format!("epoch         {} ({checkpoint})\n", r.epoch);
+    let index = match r.disk_index_through {
+        Some(e) if r.disk_index_bytes > 0 => format!(
+            "{} bytes of it index the content hashes of sealed epochs through {e}",
+            r.disk_index_bytes
+        ),
+        _ => "no index of sealed hashes on disk".into(),
+    };
+    t += &format!("on disk       {} bytes ({index})\n", r.disk_bytes);
+    if r.leftover_chunks > 0 {
+        t += &format!(
+            "              {} chunks of dropped epochs left by a crash; the next run deletes them\n",
+            r.leftover_chunks
+        );
+    }
     t += &format!(
-        "on disk       {} bytes ({} bytes index the content of {} sealed-epoch fingerprints)\n",
-        r.disk_bytes, r.disk_index_bytes, r.disk_fingerprints
+        "hashes        {} in the open epoch, {} in sealed epochs\n",
+        r.open_hashes, r.sealed_hashes
     );
     t += &format!(
-        "memory        {} bytes (estimate: {} fingerprints of the open epoch and ids, \
-         offsets, and {} bytes of filters in front of the disk)\n",
-        r.memory_bytes, r.memory_fingerprints, r.disk_filter_bytes
+        "memory        a guard needs about {} bytes for them with every epoch in memory, \
+         about {} with sealed epochs' hashes on disk (--max-memory 0; {} bytes of it filters)\n",
+        r.memory_all_in_bytes, r.memory_sealed_on_disk_bytes, r.disk_filter_bytes
     );
 
     t += "\npositions (next offset to read)\n";
