@@ -312,11 +312,32 @@ fn memory(_c: &mut Criterion<ThreadCpu>) {
         .expect("open");
     let lane = g.lane("bench", 0);
     let fps: Vec<Fingerprint> = (0..m).map(fp).collect();
+    // The growing table's memory per fingerprint depends on where its last
+    // growth left it, so it is sampled as the table fills, every 10,000
+    // records past the first 10%.
+    let mut per: Vec<f64> = Vec::new();
     let net = allocated_by(|| {
-        for &f in &fps {
+        for (i, &f) in fps.iter().enumerate() {
             g.record(lane, None, Some(f)).expect("record");
+            let done = i as u64 + 1;
+            if done * 10 >= m && done.is_multiple_of(10_000) {
+                per.push(g.memory_bytes() as f64 / done as f64);
+            }
         }
     });
+    if !per.is_empty() {
+        let mean = per.iter().sum::<f64>() / per.len() as f64;
+        per.sort_by(f64::total_cmp);
+        eprintln!(
+            "memory, fingerprint, open table as it grows from {} to {m}: estimate {:.2} to {:.2} B each, \
+             median {:.2}, mean {mean:.2} ({} samples)",
+            m / 10,
+            per[0],
+            per[per.len() - 1],
+            per[per.len() / 2],
+            per.len()
+        );
+    }
     let pending = 16 * m.next_power_of_two().max(4) as isize;
     let open_actual = net - pending;
     report("fingerprint, open table", m, g.memory_bytes(), open_actual);
