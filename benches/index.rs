@@ -19,6 +19,10 @@
 //!   `record_many`, then one call a record with the checkpoint after every
 //!   200,000 records timed too (in this thread: the store's background
 //!   threads and the fsync's wait are not counted).
+//! - `memory`: what the index takes per fingerprint, from the allocator
+//!   beside its own estimate: the open table as it grows to N (at most
+//!   9,999,999) and once sealed, dense offsets, and a rolling window of 17
+//!   epochs of 200,000 once it has settled.
 //! - `disk`: N fingerprints in 10 epochs with a memory budget of 0, so the
 //!   9 sealed ones are on disk: memory per fingerprint (estimate,
 //!   allocator and the process's resident set), and checks.
@@ -380,6 +384,49 @@ fn memory(_c: &mut Criterion<ThreadCpu>) {
         m,
         g.memory_bytes(),
         open_actual + change,
+    );
+    rolling_memory();
+}
+
+/// The memory of a rolling window once it has settled: 17 live epochs of
+/// 200,000 records, each checkpoint dropping the oldest. The table keeps
+/// the entries of dropped epochs until a purge (or an insert's shift
+/// takes their slots), so a window that has rolled for a while holds more
+/// than one that has just filled.
+fn rolling_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut g = Guard::builder(dir.path())
+        .retention_epochs(16)
+        .open()
+        .expect("open");
+    let lane = g.lane("bench", 0);
+    let (mut probes, mut verdicts) = (Vec::with_capacity(BATCH), Vec::new());
+    let mut next = 0u64;
+    let mut per = Vec::new();
+    for checkpoint in 0..60 {
+        for _ in 0..RECORD_EPOCH / BATCH as u64 {
+            probes.clear();
+            probes.extend(
+                (next..next + BATCH as u64).map(|o| Probe::new(lane, Some(o), Some(fp(o)))),
+            );
+            g.record_many(&probes, &mut verdicts).expect("record_many");
+            next += BATCH as u64;
+        }
+        g.checkpoint(&[(lane, next)], Vec::new())
+            .expect("checkpoint");
+        if checkpoint >= 30 {
+            let s = g.stats();
+            per.push(s.memory_bytes as f64 / s.live_fingerprints.max(1) as f64);
+        }
+    }
+    per.sort_by(f64::total_cmp);
+    eprintln!(
+        "memory, rolling window of 17 epochs of {RECORD_EPOCH}, after its 30th checkpoint: \
+         {:.2} to {:.2} B per live fingerprint, median {:.2} ({} checkpoints)",
+        per[0],
+        per[per.len() - 1],
+        per[per.len() / 2],
+        per.len()
     );
 }
 
