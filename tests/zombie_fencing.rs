@@ -11,6 +11,9 @@
 //!   lapsed); the other instance delivers its partition.
 //! - The new owner killed with SIGKILL during its wait, and restarted: 0
 //!   duplicates, 0 lost.
+//! - The partition the new owner holds through its wait given back in a
+//!   rebalance (a third instance joins, eager assignment) before it was
+//!   reconciled: 0 duplicates, 0 lost.
 //!
 //! The output is read back with confluent-kafka.
 
@@ -94,17 +97,7 @@ fn old_owner_comes_back(
         let mut cmd_b = pipe(&bootstrap, "B", state_b.path(), &[]);
         fence(&mut cmd_b);
         let feeder = Feeder::start(&bootstrap, "in", RATE)?;
-        let mut a = Proc::spawn("pipe A".into(), &mut cmd_a, logs.path().join("a.log"))?;
-        ends.wait_out(1, Duration::from_millis(50), &mut a)?;
-        let mut b = Proc::spawn("pipe B".into(), &mut cmd_b, logs.path().join("b.log"))?;
-        // Both own a partition and write: B's first outputs.
-        let before = ends.total("out")?;
-        ends.wait_for(
-            "both writing",
-            FIRST_OUTPUT_LIMIT,
-            &mut [&mut a, &mut b],
-            |i, o| o > before + 200 && i - o < 1_500,
-        )?;
+        let (mut a, mut b) = start_both(&ends, &mut cmd_a, &mut cmd_b, &logs)?;
         sleep_watching(Duration::from_secs(2), &mut [&mut a, &mut b])?;
         let taken = Instant::now();
         let frozen = match away {
@@ -155,67 +148,111 @@ fn old_owner_comes_back(
             a.kill9()?;
         }
         b.kill9()?;
-        let n = feeder.finish()?;
-        for (who, mut cmd) in [("A", cmd_a), ("B", cmd_b)] {
-            cmd.arg("--stop-at-end");
-            Proc::spawn(
-                format!("final {who}"),
-                &mut cmd,
-                logs.path().join(format!("final-{who}.log")),
-            )?
-            .succeed(Duration::from_secs(120))?;
-        }
-        let records = read_topic(&bootstrap, "out", PyClient::Confluent)?;
-        let values = integers(&records)?;
-        let (written, reappended) = appended_twice(&records, &values);
-        let mut sorted = values.clone();
-        sorted.sort_unstable();
-        sorted.dedup();
-        let missing: Vec<u64> = (1..=n)
-            .filter(|v| sorted.binary_search(v).is_err())
-            .collect();
-        if !missing.is_empty() {
-            return Err(format!(
-                "{} of {n} inputs missing from the output: {:?}",
-                missing.len(),
-                &missing[..missing.len().min(20)]
-            )
-            .into());
-        }
-        let duplicates = values.len() - sorted.len();
-        println!(
-            "{name}: {n} inputs, {duplicates} duplicates, {reappended} of them a record the broker appended twice"
-        );
-        if duplicates > 0 {
-            // What a failure needs to tell a second write from a re-append.
-            let mut times: BTreeMap<u64, Vec<Option<i64>>> = BTreeMap::new();
-            for (r, v) in records.iter().zip(&values) {
-                times.entry(*v).or_default().push(r.timestamp);
-            }
-            let twice: Vec<_> = times
-                .into_iter()
-                .filter(|(_, t)| t.len() > 1)
-                .take(5)
-                .collect();
-            println!("{name}: first duplicated values with their create times: {twice:?}");
-        }
-        if fencing {
-            if broker.drops_resent_batches() {
-                check_each_once(&values, 1..=n)?;
-            } else {
-                // A batch the producer sent again (its request timed out
-                // over the freeze, after the append) is appended twice.
-                // Such a copy has its original's create time; a write by
-                // the new owner never does.
-                check_each_once(&written, 1..=n)?;
-            }
-        }
-        Ok(duplicates)
+        finish_and_count(
+            broker,
+            &name,
+            feeder,
+            [("A", cmd_a), ("B", cmd_b)],
+            &logs,
+            fencing,
+        )
     })();
     match result {
         Ok(d) => Ok(d),
         Err(e) => outcome(Err(e), seed, logs).map(|()| 0),
     }
+}
+
+/// Starts A, then, once A writes, B; returns when both own a partition and
+/// write (B's first outputs are out).
+fn start_both(
+    ends: &Ends,
+    cmd_a: &mut Command,
+    cmd_b: &mut Command,
+    logs: &tempfile::TempDir,
+) -> TestResult<(Proc, Proc)> {
+    let mut a = Proc::spawn("pipe A".into(), cmd_a, logs.path().join("a.log"))?;
+    ends.wait_out(1, Duration::from_millis(50), &mut a)?;
+    let mut b = Proc::spawn("pipe B".into(), cmd_b, logs.path().join("b.log"))?;
+    let before = ends.total("out")?;
+    ends.wait_for(
+        "both writing",
+        FIRST_OUTPUT_LIMIT,
+        &mut [&mut a, &mut b],
+        |i, o| o > before + 200 && i - o < 1_500,
+    )?;
+    Ok((a, b))
+}
+
+/// Stops the feeder, runs each instance's pipe to the end of the input in
+/// turn, and reads the output back: nothing may be missing; with fencing,
+/// nothing may be written twice either (a batch the broker appended twice
+/// aside, where the broker does that). Returns the number of duplicated
+/// values.
+fn finish_and_count<const N: usize>(
+    broker: &dyn Broker,
+    name: &str,
+    feeder: Feeder,
+    commands: [(&str, Command); N],
+    logs: &tempfile::TempDir,
+    fencing: bool,
+) -> TestResult<usize> {
+    let n = feeder.finish()?;
+    for (who, mut cmd) in commands {
+        cmd.arg("--stop-at-end");
+        Proc::spawn(
+            format!("final {who}"),
+            &mut cmd,
+            logs.path().join(format!("final-{who}.log")),
+        )?
+        .succeed(Duration::from_secs(120))?;
+    }
+    let records = read_topic(&broker.servers(), "out", PyClient::Confluent)?;
+    let values = integers(&records)?;
+    let (written, reappended) = appended_twice(&records, &values);
+    let mut sorted = values.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let missing: Vec<u64> = (1..=n)
+        .filter(|v| sorted.binary_search(v).is_err())
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "{} of {n} inputs missing from the output: {:?}",
+            missing.len(),
+            &missing[..missing.len().min(20)]
+        )
+        .into());
+    }
+    let duplicates = values.len() - sorted.len();
+    println!(
+        "{name}: {n} inputs, {duplicates} duplicates, {reappended} of them a record the broker appended twice"
+    );
+    if duplicates > 0 {
+        // What a failure needs to tell a second write from a re-append.
+        let mut times: BTreeMap<u64, Vec<Option<i64>>> = BTreeMap::new();
+        for (r, v) in records.iter().zip(&values) {
+            times.entry(*v).or_default().push(r.timestamp);
+        }
+        let twice: Vec<_> = times
+            .into_iter()
+            .filter(|(_, t)| t.len() > 1)
+            .take(5)
+            .collect();
+        println!("{name}: first duplicated values with their create times: {twice:?}");
+    }
+    if fencing {
+        if broker.drops_resent_batches() {
+            check_each_once(&values, 1..=n)?;
+        } else {
+            // A batch the producer sent again (its request timed out
+            // over the freeze, after the append) is appended twice.
+            // Such a copy has its original's create time; a write by
+            // the new owner never does.
+            check_each_once(&written, 1..=n)?;
+        }
+    }
+    Ok(duplicates)
 }
 
 /// The values of `records` (parsed in `values`) without the copies that
@@ -252,6 +289,108 @@ fn on_kafka_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote() 
 fn on_the_mock_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote() -> TestResult {
     let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
     old_owner_comes_back(&broker, broker.bootstrap(), None, Away::Frozen, true, false).map(drop)
+}
+
+/// A dies after its outputs reached the broker and before its inputs were
+/// checkpointed (an injected failure at an ack); B takes its partition
+/// without a clean handover and waits. A third instance, C, joins during
+/// that wait, so that B gives back (eager `range` assignment) the partition
+/// it holds but has not reconciled. Whoever gets it next must still wait
+/// for A and read A's outputs back: B's revoke may not hand it on as its
+/// own.
+fn a_rebalance_during_the_wait(broker: &dyn Broker) -> TestResult {
+    let bootstrap = broker.servers();
+    let name = format!("A rebalance during the wait, {}", broker.kind());
+    let (seed, _rng) = seeded(&name);
+    let logs = tempfile::Builder::new().prefix("fencing-logs-").tempdir()?;
+    let result = (|| -> TestResult {
+        // One output partition: every instance's outputs go to it, so the
+        // end B has acked there passes the outputs A left unrecorded.
+        let ends = Ends::new(&bootstrap, &[("in", 2), ("out", 1)])?;
+        let states = [
+            tempfile::tempdir()?,
+            tempfile::tempdir()?,
+            tempfile::tempdir()?,
+        ];
+        let eager = ["-X", "partition.assignment.strategy=range"];
+        let armed = logs.path().join("fail-at-the-next-ack");
+        let mut cmd_a = pipe(&bootstrap, "A", states[0].path(), &eager);
+        cmd_a
+            .env("REPLAYGUARD_FAIL_AT", "after-ack")
+            .env("REPLAYGUARD_FAIL_ARMED", &armed);
+        let mut cmd_b = pipe(&bootstrap, "B", states[1].path(), &eager);
+        let mut cmd_c = pipe(&bootstrap, "C", states[2].path(), &eager);
+        let feeder = Feeder::start(&bootstrap, "in", RATE)?;
+        let (mut a, mut b) = start_both(&ends, &mut cmd_a, &mut cmd_b, &logs)?;
+        // The group settled: each has committed its own partition (its
+        // instance in the metadata), so that A's crash leaves a commit of
+        // A's behind for B to wait on.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            sleep_watching(Duration::from_millis(500), &mut [&mut a, &mut b])?;
+            let writers: HashSet<String> = ends
+                .committed("fenced", "in")?
+                .into_iter()
+                .flatten()
+                .filter_map(|(_, meta)| {
+                    let v: serde_json::Value = serde_json::from_str(&meta).ok()?;
+                    Some(v.get("i")?.as_str()?.to_owned())
+                })
+                .collect();
+            if writers.len() == 2 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the group never settled: commits by {writers:?}").into());
+            }
+        }
+        std::fs::write(&armed, b"")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while a.exited()?.is_none() {
+            if Instant::now() > deadline {
+                return Err("A did not stop at its injected failure".into());
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::remove_file(&armed)?;
+        println!(
+            "{name}: A stopped: {}",
+            replayguard_testkit::error_line(&a.log)
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !std::fs::read_to_string(&b.log)?.contains("without a clean handover") {
+            b.check_running()?;
+            if Instant::now() > deadline {
+                return Err("B never waited for A".into());
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        // A few of B's checkpoints first (the group's commits refused
+        // while a rebalance is on would hide what B wrote of the held
+        // partition).
+        sleep_watching(Duration::from_secs(3), &mut [&mut b])?;
+        let mut c = Proc::spawn("pipe C".into(), &mut cmd_c, logs.path().join("c.log"))?;
+        // Past the wait (16 s), and some more work by both.
+        sleep_watching(Duration::from_secs(30), &mut [&mut b, &mut c])?;
+        b.kill9()?;
+        c.kill9()?;
+        finish_and_count(
+            broker,
+            &name,
+            feeder,
+            [("A", cmd_a), ("B", cmd_b), ("C", cmd_c)],
+            &logs,
+            true,
+        )
+        .map(drop)
+    })();
+    outcome(result, seed, logs)
+}
+
+#[test]
+fn on_the_mock_a_partition_given_back_during_its_wait_is_still_reconciled() -> TestResult {
+    let broker = MockBroker::start(&[("in", 2), ("out", 1)])?;
+    a_rebalance_during_the_wait(&broker)
 }
 
 #[test]

@@ -373,13 +373,16 @@ impl Core {
     /// handover clean.
     ///
     /// # Errors
-    /// A store failure, or outputs still unacked at a revoke.
+    /// A store failure, outputs still unacked at a revoke, or a lease that
+    /// lapsed: a process that stood still past it (frozen while it waited
+    /// for acks, say) may no longer own what it would write down.
     pub fn checkpoint(
         &self,
         consumer: &impl Consumer<GuardContext>,
         leaving: Option<&[Partition]>,
         mode: CommitMode,
     ) -> Result<()> {
+        self.check_lease(consumer)?;
         let (positions, meta) = {
             let mut s = self.lock();
             if let Some(e) = s.failure() {
@@ -586,9 +589,12 @@ impl Core {
                 arrival.zombie = Some((wait, sink.instance.clone()));
             }
         }
-        if group_pos > local
-            && let Some(sink) = sink
-        {
+        // Reconciliation starts at the group's sink positions too, even when
+        // this folder is as far along: they are as of the partition's last
+        // commit, while the folder's have moved on with its other partitions'
+        // outputs since. An instance that owned the partition in between and
+        // stopped before its first commit wrote in that gap.
+        if let Some(sink) = sink {
             arrival.from_commits.push(sink);
         }
         if lane.is_some() && local.is_none() {
@@ -678,8 +684,8 @@ impl Core {
 /// What [`Core::on_assign`] gathers over the arriving partitions.
 #[derive(Default)]
 struct Arrival {
-    /// Sink positions from the group's metadata, where it is ahead of this
-    /// folder: reconciliation starts there too.
+    /// Sink positions from the group's metadata: reconciliation starts
+    /// there too.
     from_commits: Vec<SinkPositions>,
     /// The longest a previous owner that left without a clean handover can
     /// still have outputs in flight, and who it was.

@@ -388,11 +388,17 @@ impl Shared {
             .count()
     }
 
-    /// Every partition's committable position.
+    /// Every partition's committable position. A held partition has none:
+    /// until its output is reconciled it is not this instance's to commit,
+    /// and the group's commit (the previous owner's sink positions, and
+    /// that its handover was not clean) must stay for its next owner.
     pub fn positions(&self) -> Vec<(String, i32, i64, Option<LaneId>)> {
         let mut out = Vec::new();
         for (topic, parts) in &self.tracks {
             for (p, t) in parts {
+                if self.is_held(topic, *p) {
+                    continue;
+                }
                 if let Some(pos) = t.position() {
                     out.push((topic.clone(), *p, pos, t.lane));
                 }
@@ -585,5 +591,63 @@ mod test {
         // A partition that leaves has no lag here any more.
         s.forget(&[tp("t", 0)]);
         assert_eq!(s.lag(), BTreeMap::from([(tp("t", 1), 0)]));
+    }
+
+    #[test]
+    fn a_held_partition_is_neither_checkpointed_nor_committed_until_released() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let guard = Guard::builder(dir.path()).open()?;
+        let mut s = Shared::new(Some(guard));
+        s.sink = Some(SinkPositions {
+            topic: "out".into(),
+            ends: BTreeMap::from([(0, 40)]),
+            instance: "b".into(),
+            in_flight_ms: 16_000,
+            ..SinkPositions::default()
+        });
+        for p in [0, 1] {
+            s.lane("in", p);
+        }
+        s.track("in", 0).next = Some(7);
+        // Partition 1 came from an instance that left without a clean
+        // handover, at the group's offset 3.
+        s.track("in", 1).next = Some(3);
+        s.held = Some(Held {
+            until: std::time::Instant::now() + std::time::Duration::from_secs(60),
+            from: "a".into(),
+            partitions: vec![tp("in", 1)],
+            manifest: None,
+            commits: Vec::new(),
+        });
+        // Neither a periodic checkpoint nor a revoke's (clean) one names it.
+        let (commit, _) = s.checkpoint(None, false)?;
+        assert_eq!(commit, vec![("in".to_owned(), 0, 7)]);
+        let (commit, meta) = s.checkpoint(Some(&[tp("in", 0), tp("in", 1)]), true)?;
+        assert_eq!(commit, vec![("in".to_owned(), 0, 7)]);
+        assert!(meta.contains("\"c\":true"), "{meta}");
+        let lane1 = s.lane("in", 1).ok_or_else(|| Error::Stopped {
+            reason: "no lane".into(),
+        })?;
+        let lane0 = s.lane("in", 0).ok_or_else(|| Error::Stopped {
+            reason: "no lane".into(),
+        })?;
+        let g = s.guard.as_ref().ok_or_else(|| Error::Stopped {
+            reason: "no guard".into(),
+        })?;
+        assert_eq!(g.position(lane0), Some(7));
+        assert_eq!(
+            g.position(lane1),
+            None,
+            "the manifest names the held partition"
+        );
+        // Once released (reconciled), it is this instance's again.
+        s.held = None;
+        let (mut commit, _) = s.checkpoint(None, false)?;
+        commit.sort();
+        assert_eq!(
+            commit,
+            vec![("in".to_owned(), 0, 7), ("in".to_owned(), 1, 3)]
+        );
+        Ok(())
     }
 }

@@ -69,8 +69,15 @@ pub fn seeded(test: &str) -> (u64, StdRng) {
 
 /// A test's result: a failure names the seed, and keeps the folder of the
 /// runs' logs (each run's stderr at `RUST_LOG=info,librdkafka=debug`) and says
-/// where it is.
+/// where it is. With `REPLAYGUARD_KEEP_LOGS` set, a success keeps them too.
 pub fn outcome(result: TestResult, seed: u64, logs: tempfile::TempDir) -> TestResult {
+    if result.is_ok() && std::env::var_os("REPLAYGUARD_KEEP_LOGS").is_some() {
+        println!(
+            "(seed {seed}; the runs' logs are in {})",
+            logs.keep().display()
+        );
+        return Ok(());
+    }
     result.map_err(|e| {
         let kept = logs.keep();
         format!(
@@ -280,6 +287,32 @@ impl Ends {
                 }
             })
             .collect()
+    }
+
+    /// The offsets `group` committed on each partition of `topic`, with
+    /// their metadata (`None` where it committed nothing).
+    pub fn committed(&self, group: &str, topic: &str) -> TestResult<Vec<Option<(i64, String)>>> {
+        let count = *self
+            .partitions
+            .get(topic)
+            .ok_or_else(|| format!("unknown topic {topic}"))?;
+        let reader: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("group.id", group)
+            .create()?;
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in 0..count {
+            tpl.add_partition(topic, p);
+        }
+        let got = reader.committed_offsets(tpl, Duration::from_secs(10))?;
+        Ok(got
+            .elements()
+            .iter()
+            .map(|e| match e.offset() {
+                rdkafka::Offset::Offset(o) => Some((o, e.metadata().to_owned())),
+                _ => None,
+            })
+            .collect())
     }
 
     /// Records in `topic`: the sum of its high watermarks.
