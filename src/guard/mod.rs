@@ -611,7 +611,7 @@ impl Guard {
     fn lane_ref(&self, lane: LaneId) -> Result<&Lane> {
         self.lanes
             .get(lane.0 as usize)
-            .ok_or_else(|| Error::UnknownLane(lane.0))
+            .ok_or(Error::UnknownLane(lane.0))
     }
 
     /// Was this record handled within the retention? Does not record it.
