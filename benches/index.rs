@@ -329,17 +329,18 @@ fn memory(_c: &mut Criterion<ThreadCpu>) {
             }
         }
     });
-    if !per.is_empty() {
-        let mean = per.iter().sum::<f64>() / per.len() as f64;
-        per.sort_by(f64::total_cmp);
+    let samples = per.len();
+    if let Some(Spread {
+        lo,
+        median,
+        hi,
+        mean,
+    }) = spread(per)
+    {
         eprintln!(
-            "memory, fingerprint, open table as it grows from {} to {m}: estimate {:.2} to {:.2} B each, \
-             median {:.2}, mean {mean:.2} ({} samples)",
+            "memory, fingerprint, open table as it grows from {} to {m}: estimate {lo:.2} to {hi:.2} B each, \
+             median {median:.2}, mean {mean:.2} ({samples} samples)",
             m / 10,
-            per[0],
-            per[per.len() - 1],
-            per[per.len() / 2],
-            per.len()
         );
     }
     let pending = 16 * m.next_power_of_two().max(4) as isize;
@@ -394,40 +395,41 @@ fn memory(_c: &mut Criterion<ThreadCpu>) {
 /// takes their slots), so a window that has rolled for a while holds more
 /// than one that has just filled.
 fn rolling_memory() {
+    const CHECKPOINTS: u64 = 60;
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut g = Guard::builder(dir.path())
-        .retention_epochs(16)
-        .open()
-        .expect("open");
-    let lane = g.lane("bench", 0);
+    let mut feed = Feed::new(dir.path(), 16, CHECKPOINTS * RECORD_EPOCH);
     let (mut probes, mut verdicts) = (Vec::with_capacity(BATCH), Vec::new());
-    let mut next = 0u64;
-    let mut per = Vec::new();
-    for checkpoint in 0..60 {
-        for _ in 0..RECORD_EPOCH / BATCH as u64 {
-            probes.clear();
-            probes.extend(
-                (next..next + BATCH as u64).map(|o| Probe::new(lane, Some(o), Some(fp(o)))),
-            );
-            g.record_many(&probes, &mut verdicts).expect("record_many");
-            next += BATCH as u64;
-        }
-        g.checkpoint(&[(lane, next)], Vec::new())
-            .expect("checkpoint");
-        if checkpoint >= 30 {
-            let s = g.stats();
-            per.push(s.memory_bytes as f64 / s.live_fingerprints.max(1) as f64);
-        }
+    for _ in 0..CHECKPOINTS * RECORD_EPOCH / BATCH as u64 {
+        feed.batched(&mut probes, &mut verdicts);
     }
-    per.sort_by(f64::total_cmp);
-    eprintln!(
-        "memory, rolling window of 17 epochs of {RECORD_EPOCH}, after its 30th checkpoint: \
-         {:.2} to {:.2} B per live fingerprint, median {:.2} ({} checkpoints)",
-        per[0],
-        per[per.len() - 1],
-        per[per.len() / 2],
-        per.len()
-    );
+    let settled = feed.per_live.split_off(CHECKPOINTS as usize / 2);
+    let samples = settled.len();
+    if let Some(Spread { lo, median, hi, .. }) = spread(settled) {
+        eprintln!(
+            "memory, rolling window of 17 epochs of {RECORD_EPOCH}, after its 30th checkpoint: \
+             {lo:.2} to {hi:.2} B per live fingerprint, median {median:.2} ({samples} checkpoints)",
+        );
+    }
+}
+
+/// The lowest, median, highest and mean of some samples.
+struct Spread {
+    lo: f64,
+    median: f64,
+    hi: f64,
+    mean: f64,
+}
+
+/// `None` without samples.
+fn spread(mut v: Vec<f64>) -> Option<Spread> {
+    v.sort_by(f64::total_cmp);
+    let (&lo, &hi) = (v.first()?, v.last()?);
+    Some(Spread {
+        lo,
+        median: v[v.len() / 2],
+        hi,
+        mean: v.iter().sum::<f64>() / v.len() as f64,
+    })
 }
 
 fn report(what: &str, n: u64, estimate: usize, actual: isize) {
@@ -581,6 +583,26 @@ struct Feed {
 const RECORD_EPOCH: u64 = 200_000;
 
 impl Feed {
+    /// A guard keeping `retention` sealed epochs, fed from a pool of
+    /// `pool` precomputed fingerprints (`fp(0..pool)`, so that xxh3 is not
+    /// timed).
+    fn new(dir: &std::path::Path, retention: u32, pool: u64) -> Self {
+        let mut g = Guard::builder(dir)
+            .retention_epochs(retention)
+            .open()
+            .expect("open");
+        let lane = g.lane("bench", 0);
+        Feed {
+            g,
+            lane,
+            pool: (0..pool).map(fp).collect(),
+            at: 0,
+            next: 0,
+            retention,
+            per_live: Vec::new(),
+        }
+    }
+
     /// Past the pool, starts it again: its fingerprints were dropped with
     /// their epochs long ago, except the newest ones, which go now.
     fn wrap(&mut self) {
@@ -674,21 +696,8 @@ fn record(c: &mut Criterion<ThreadCpu>) {
     let mut keep = Vec::new();
     for retention in [0u32, 16] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut g = Guard::builder(dir.path())
-            .retention_epochs(retention)
-            .open()
-            .expect("open");
-        let lane = g.lane("bench", 0);
-        let mut feed = Feed {
-            g,
-            lane,
-            // Precomputed fingerprints, so that xxh3 is not timed.
-            pool: (0..8_000_000).map(fp).collect(),
-            at: 0,
-            next: 0,
-            retention,
-            per_live: Vec::new(),
-        };
+        let mut feed = Feed::new(dir.path(), retention, 8_000_000);
+        let lane = feed.lane;
         for _ in 0..=retention {
             for _ in 0..RECORD_EPOCH {
                 let f = feed.pool[feed.at];
@@ -717,13 +726,11 @@ fn record(c: &mut Criterion<ThreadCpu>) {
         group.bench_function(format!("{live}-live-epochs/checkpoints-included"), |b| {
             b.iter_custom(|iters| (0..iters).map(|_| feed.one_by_one(true)).sum());
         });
-        let mut per_live = std::mem::take(&mut feed.per_live);
-        per_live.sort_by(f64::total_cmp);
-        if let (Some(lo), Some(hi)) = (per_live.first(), per_live.last()) {
+        let per_live = std::mem::take(&mut feed.per_live);
+        let checkpoints = per_live.len();
+        if let Some(Spread { lo, median, hi, .. }) = spread(per_live) {
             eprintln!(
-                "record: {live} live epochs: index memory {lo:.2} to {hi:.2} B per live fingerprint, median {:.2}, over {} checkpoints",
-                per_live[per_live.len() / 2],
-                per_live.len()
+                "record: {live} live epochs: index memory {lo:.2} to {hi:.2} B per live fingerprint, median {median:.2}, over {checkpoints} checkpoints",
             );
         }
         assert_eq!(feed.g.stats().live_epochs, live);
