@@ -108,15 +108,7 @@ fn old_owner_comes_back(
             }
         };
         if kill_successor_while_waiting {
-            // B waits (its log says so) before it reconciles A's partition.
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !std::fs::read_to_string(&b.log)?.contains("without a clean handover") {
-                b.check_running()?;
-                if Instant::now() > deadline {
-                    return Err("B never waited for a previous owner".into());
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
+            wait_for_the_wait(&mut b)?;
             thread::sleep(Duration::from_secs(3));
             b.kill9()?;
             println!(
@@ -161,6 +153,20 @@ fn old_owner_comes_back(
         Ok(d) => Ok(d),
         Err(e) => outcome(Err(e), seed, logs).map(|()| 0),
     }
+}
+
+/// Returns once B's log says it waits for a previous owner before it
+/// reconciles the partition it took over.
+fn wait_for_the_wait(b: &mut Proc) -> TestResult {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&b.log)?.contains("without a clean handover") {
+        b.check_running()?;
+        if Instant::now() > deadline {
+            return Err("B never waited for a previous owner".into());
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }
 
 /// Starts A, then, once A writes, B; returns when both own a partition and
@@ -345,26 +351,13 @@ fn a_rebalance_during_the_wait(broker: &dyn Broker) -> TestResult {
             }
         }
         std::fs::write(&armed, b"")?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while a.exited()?.is_none() {
-            if Instant::now() > deadline {
-                return Err("A did not stop at its injected failure".into());
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
+        a.wait(Duration::from_secs(30))?;
         std::fs::remove_file(&armed)?;
         println!(
             "{name}: A stopped: {}",
             replayguard_testkit::error_line(&a.log)
         );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !std::fs::read_to_string(&b.log)?.contains("without a clean handover") {
-            b.check_running()?;
-            if Instant::now() > deadline {
-                return Err("B never waited for A".into());
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_the_wait(&mut b)?;
         // A few of B's checkpoints first (the group's commits refused
         // while a rebalance is on would hide what B wrote of the held
         // partition).

@@ -605,9 +605,8 @@ mod test {
             in_flight_ms: 16_000,
             ..SinkPositions::default()
         });
-        for p in [0, 1] {
-            s.lane("in", p);
-        }
+        let lanes = [s.lane("in", 0), s.lane("in", 1)];
+        assert!(lanes.iter().all(Option::is_some), "a guard gives lanes");
         s.track("in", 0).next = Some(7);
         // Partition 1 came from an instance that left without a clean
         // handover, at the group's offset 3.
@@ -625,18 +624,10 @@ mod test {
         let (commit, meta) = s.checkpoint(Some(&[tp("in", 0), tp("in", 1)]), true)?;
         assert_eq!(commit, vec![("in".to_owned(), 0, 7)]);
         assert!(meta.contains("\"c\":true"), "{meta}");
-        let lane1 = s.lane("in", 1).ok_or_else(|| Error::Stopped {
-            reason: "no lane".into(),
-        })?;
-        let lane0 = s.lane("in", 0).ok_or_else(|| Error::Stopped {
-            reason: "no lane".into(),
-        })?;
-        let g = s.guard.as_ref().ok_or_else(|| Error::Stopped {
-            reason: "no guard".into(),
-        })?;
-        assert_eq!(g.position(lane0), Some(7));
+        let position = |l: Option<LaneId>| s.guard.as_ref()?.position(l?);
+        assert_eq!(position(lanes[0]), Some(7));
         assert_eq!(
-            g.position(lane1),
+            position(lanes[1]),
             None,
             "the manifest names the held partition"
         );

@@ -254,12 +254,16 @@ impl Ends {
         })
     }
 
-    /// `(low, high)` watermarks of each partition.
-    pub fn watermarks(&self, topic: &str) -> TestResult<Vec<(i64, i64)>> {
-        let count = *self
+    fn partitions_of(&self, topic: &str) -> TestResult<i32> {
+        Ok(*self
             .partitions
             .get(topic)
-            .ok_or_else(|| format!("unknown topic {topic}"))?;
+            .ok_or_else(|| format!("unknown topic {topic}"))?)
+    }
+
+    /// `(low, high)` watermarks of each partition.
+    pub fn watermarks(&self, topic: &str) -> TestResult<Vec<(i64, i64)>> {
+        let count = self.partitions_of(topic)?;
         (0..count)
             .map(|p| {
                 // A broker just thawed or restarted answers "not leader",
@@ -292,10 +296,7 @@ impl Ends {
     /// The offsets `group` committed on each partition of `topic`, with
     /// their metadata (`None` where it committed nothing).
     pub fn committed(&self, group: &str, topic: &str) -> TestResult<Vec<Option<(i64, String)>>> {
-        let count = *self
-            .partitions
-            .get(topic)
-            .ok_or_else(|| format!("unknown topic {topic}"))?;
+        let count = self.partitions_of(topic)?;
         let reader: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
             .set("group.id", group)
