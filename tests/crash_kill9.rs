@@ -93,10 +93,58 @@ fn pipe(bootstrap: &str, group: &str, state: &Path, mode: &str, extra: &[&str]) 
         .arg(state)
         .args(extra);
     // The new group protocol keeps the session timeout on the broker.
-    if !extra.contains(&"group.protocol=consumer") {
+    let own_timeout = extra
+        .iter()
+        .any(|a| *a == "group.protocol=consumer" || a.starts_with("session.timeout.ms="));
+    if !own_timeout {
         c.args(["-X", "session.timeout.ms=6000"]);
     }
     c
+}
+
+/// Attempts of a final run (see [`run_final`]).
+const FINAL_ATTEMPTS: u32 = 3;
+
+/// Runs a final `--stop-at-end` pipe, `command`, until it succeeds. A run
+/// that stops because its group session or its lease lapsed (on a loaded
+/// machine the broker may answer no heartbeat for the whole session
+/// timeout) says to start it again; this does, as a supervisor would, up
+/// to `FINAL_ATTEMPTS` runs in all. Any other failure fails at once. Each
+/// run is one more restart over the same state, so the exactly-once checks
+/// that follow cover it.
+fn run_final(name: &str, log: &Path, mut command: impl FnMut() -> Command) -> TestResult {
+    for attempt in 1..=FINAL_ATTEMPTS {
+        let log = if attempt == 1 {
+            log.to_owned()
+        } else {
+            log.with_extension(format!("{attempt}.log"))
+        };
+        let mut p = Proc::spawn(
+            name.to_owned(),
+            command().stdout(Stdio::null()),
+            log.clone(),
+        )?;
+        let status = p.wait(FINAL_LIMIT)?;
+        if status.success() {
+            return Ok(());
+        }
+        let fenced = std::fs::read_to_string(&log).is_ok_and(|text| {
+            text.contains("error_kind=\"assignment_lost\"")
+                || text.contains("error_kind=\"lease_lapsed\"")
+        });
+        if !fenced || attempt == FINAL_ATTEMPTS {
+            return Err(format!(
+                "{name} failed ({status}, run {attempt} of at most {FINAL_ATTEMPTS}); stderr:\n{}",
+                p.log_tail()
+            )
+            .into());
+        }
+        println!(
+            "{name}: run {attempt} stopped as fenced ({}); starting it again",
+            error_line(&log)
+        );
+    }
+    unreachable!("the last attempt returns")
 }
 
 // ---------------------------------------------------------------------------
@@ -195,30 +243,43 @@ struct PipeRuns<'a> {
 impl PipeRuns<'_> {
     /// Starts run `run` of guarded `pipe` with `args`.
     fn spawn(&self, run: &str, args: &[&str]) -> TestResult<Proc> {
+        Proc::spawn(
+            format!("pipe run {run}"),
+            self.command(run, args).stdout(Stdio::null()),
+            self.logs.join(format!("pipe-{run}.log")),
+        )
+    }
+
+    /// The command of run `run` with `args`.
+    fn command(&self, run: &str, args: &[&str]) -> Command {
         let group = if self.fresh_group {
             format!("crash-{run}")
         } else {
             "crash".to_owned()
         };
-        Proc::spawn(
-            format!("pipe run {run}"),
-            pipe(
-                self.bootstrap,
-                &group,
-                self.state,
-                self.mode,
-                // A new group is another job to the state folder: each run
-                // hands the folder over on purpose.
-                &[
-                    args,
-                    self.extra,
-                    if self.fresh_group { &["--rebind"] } else { &[] },
-                ]
-                .concat(),
-            )
-            .stdout(Stdio::null()),
-            self.logs.join(format!("pipe-{run}.log")),
+        // A new group is another job to the state folder: each run hands
+        // the folder over on purpose. Its group holds no member killed
+        // before, so nothing needs the short session timeout that expires
+        // them, and a long one rides out a broker slowed by a loaded machine.
+        let fresh: &[&str] = if self.fresh_group {
+            &["--rebind", "-X", "session.timeout.ms=30000"]
+        } else {
+            &[]
+        };
+        pipe(
+            self.bootstrap,
+            &group,
+            self.state,
+            self.mode,
+            &[args, self.extra, fresh].concat(),
         )
+    }
+
+    /// The final `--stop-at-end` run, to success (see [`run_final`]).
+    fn finish(&self) -> TestResult {
+        run_final("pipe run final", &self.logs.join("pipe-final.log"), || {
+            self.command("final", &["--stop-at-end"])
+        })
     }
 }
 
@@ -344,8 +405,7 @@ fn seed_scenario(bootstrap: &str, sc: &Scenario<'_>) -> TestResult {
         let feeder = Feeder::start(bootstrap, "in", FEED_RATE)?;
         let landed = kill_pipe_repeatedly(&runs, &ends, &plans, &mut rng)?;
         let n = feeder.finish()?;
-        let last = runs.spawn("final", &["--stop-at-end"])?;
-        last.succeed(FINAL_LIMIT)?;
+        runs.finish()?;
         let committed = sc.mode == "transactional";
         ends.check_nothing_dropped("in")?;
         ends.check_nothing_dropped("out")?;
@@ -507,19 +567,19 @@ fn two_pipes_killed_independently(broker: &dyn Broker) -> TestResult {
         // A alone takes all three over; then B, whose state is older for
         // every partition A finished, must find nothing left to write.
         for (who, state) in states.iter().enumerate() {
-            Proc::spawn(
-                format!("final pipe {} --stop-at-end", names[who]),
-                pipe(
-                    bootstrap,
-                    "pair",
-                    state.path(),
-                    "guarded",
-                    &["--stop-at-end"],
-                )
-                .stdout(Stdio::null()),
-                logs.path().join(format!("final-{}.log", names[who])),
-            )?
-            .succeed(FINAL_LIMIT)?;
+            run_final(
+                &format!("final pipe {} --stop-at-end", names[who]),
+                &logs.path().join(format!("final-{}.log", names[who])),
+                || {
+                    pipe(
+                        bootstrap,
+                        "pair",
+                        state.path(),
+                        "guarded",
+                        &["--stop-at-end"],
+                    )
+                },
+            )?;
         }
         let copied = read_output(bootstrap, &ends)?;
         check_each_once(&integers(&copied)?, 1..=n)?;
@@ -583,19 +643,19 @@ fn control_at_least_once(broker: &dyn Broker) -> TestResult {
             );
         }
         let n = feeder.finish()?;
-        Proc::spawn(
-            "final at-least-once pipe --stop-at-end".into(),
-            pipe(
-                bootstrap,
-                "control",
-                state.path(),
-                "at-least-once",
-                &["--stop-at-end"],
-            )
-            .stdout(Stdio::null()),
-            logs.path().join("pipe-final.log"),
-        )?
-        .succeed(FINAL_LIMIT)?;
+        run_final(
+            "final at-least-once pipe --stop-at-end",
+            &logs.path().join("pipe-final.log"),
+            || {
+                pipe(
+                    bootstrap,
+                    "control",
+                    state.path(),
+                    "at-least-once",
+                    &["--stop-at-end"],
+                )
+            },
+        )?;
         let values = integers(&read_output(bootstrap, &ends)?)?;
         // Nothing lost: at least once holds.
         let distinct: BTreeSet<u64> = values.iter().copied().collect();
@@ -958,19 +1018,19 @@ fn pipe_through_a_frozen_broker(broker: &dyn Broker) -> TestResult {
         p.kill9()?;
         kills += 1;
         let n = feeder.finish()?;
-        Proc::spawn(
-            "final pipe --stop-at-end".into(),
-            pipe(
-                bootstrap,
-                "frozen",
-                state.path(),
-                "guarded",
-                &["--stop-at-end"],
-            )
-            .stdout(Stdio::null()),
-            logs.path().join("pipe-final.log"),
-        )?
-        .succeed(FINAL_LIMIT)?;
+        run_final(
+            "final pipe --stop-at-end",
+            &logs.path().join("pipe-final.log"),
+            || {
+                pipe(
+                    bootstrap,
+                    "frozen",
+                    state.path(),
+                    "guarded",
+                    &["--stop-at-end"],
+                )
+            },
+        )?;
         let values = integers(&read_output(bootstrap, &ends)?)?;
         check_each_once(&values, 1..=n)?;
         check_increasing(&values)?;
@@ -1280,19 +1340,19 @@ fn on_kafka_pipe_through_a_broker_killed_and_restarted_copies_each_integer_once(
         }
         p.kill9()?;
         let n = feeder.finish()?;
-        Proc::spawn(
-            "final pipe --stop-at-end".into(),
-            pipe(
-                bootstrap,
-                "restarted",
-                state.path(),
-                "guarded",
-                &["--stop-at-end"],
-            )
-            .stdout(Stdio::null()),
-            logs.path().join("pipe-final.log"),
-        )?
-        .succeed(FINAL_LIMIT)?;
+        run_final(
+            "final pipe --stop-at-end",
+            &logs.path().join("pipe-final.log"),
+            || {
+                pipe(
+                    bootstrap,
+                    "restarted",
+                    state.path(),
+                    "guarded",
+                    &["--stop-at-end"],
+                )
+            },
+        )?;
         let ends = Ends::new(bootstrap, &[("in", 1), ("out", 1)])?;
         let values = integers(&read_output(bootstrap, &ends)?)?;
         check_each_once(&values, 1..=n)?;
