@@ -211,6 +211,22 @@ pub enum Error {
     )]
     AssignmentLost,
 
+    /// The broker refused an offset commit because its metadata is larger
+    /// than the broker allows (`offset.metadata.max.bytes`). The metadata
+    /// carries this instance's output positions, from which a new owner of
+    /// the partitions reconciles and learns to wait for outputs still in
+    /// flight; without it that owner could write them again, so the
+    /// instance stops.
+    #[error(
+        "the broker refused the offset commit: its metadata of {bytes} bytes, the positions of {partitions} output and changelog partitions, is over the broker's offset.metadata.max.bytes (Kafka's default is 4096). A new owner of the input partitions reads those positions to know what this instance wrote and what may still be in flight, so this instance stopped rather than leave them out; raise offset.metadata.max.bytes on the brokers (about 16 bytes a partition), or write to a topic with fewer partitions"
+    )]
+    CommitMetadataTooLarge {
+        /// The metadata's length.
+        bytes: usize,
+        /// How many partitions' positions it holds.
+        partitions: usize,
+    },
+
     /// A topic ends below an offset this state folder (or its consumer
     /// group) already handled (an input) or wrote (the output): it was
     /// deleted and recreated, or truncated. Going on would skip the new
@@ -357,6 +373,7 @@ impl Error {
             Error::Consume { .. } => "consume",
             Error::LeaseLapsed { .. } => "lease_lapsed",
             Error::AssignmentLost => "assignment_lost",
+            Error::CommitMetadataTooLarge { .. } => "commit_metadata_too_large",
             Error::TopicRewound { .. } => "topic_rewound",
             Error::Process { .. } => "process",
             Error::Stopped { .. } => "stopped",

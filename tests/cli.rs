@@ -625,6 +625,61 @@ fn pipe_with_a_changelog_ships_its_identities_and_inspect_shows_where() -> TestR
     Ok(())
 }
 
+/// On Apache Kafka, whose `offset.metadata.max.bytes` can be set low: a
+/// broker that refuses the offset commit's metadata (the output positions a
+/// new owner reconciles from) stops `pipe` with an error naming the
+/// setting, from a periodic checkpoint's commit and from the last one
+/// alike. The folder's checkpoint comes before the commit, so the restart
+/// writes nothing twice.
+#[test]
+fn pipe_stops_when_the_broker_refuses_its_commit_metadata_as_too_large() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start_with(
+        replayguard_testkit::KafkaOptions {
+            properties: vec!["offset.metadata.max.bytes=64".into()],
+            ..Default::default()
+        },
+        &[("in", 1), ("out", 8)],
+    )?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=100)?;
+    let state = tempfile::tempdir()?;
+    let pipe = |extra: &[&str]| {
+        let mut c = replayguard();
+        c.arg("pipe")
+            .args(["--brokers", bootstrap.as_str(), "--group", "refused"])
+            .args(["--input", "in", "--output", "out", "--state"])
+            .arg(state.path())
+            .args(extra);
+        c
+    };
+    let refused = |out: &Output, run: &str| -> TestResult {
+        let stderr = text(&out.stderr);
+        let last = stderr.lines().last().unwrap_or_default();
+        if out.status.code() != Some(1)
+            || !last.starts_with("replayguard: error: ")
+            || !last.contains("offset.metadata.max.bytes")
+            || !last.contains("output and changelog partitions")
+        {
+            return Err(
+                format!("{run}: expected the refusal, got {}: {stderr}", out.status).into(),
+            );
+        }
+        Ok(())
+    };
+    // No end to stop at: only the refusal of a periodic commit ends it.
+    let periodic = run_bounded(&mut pipe(&["--checkpoint-interval", "200ms"]), RUN_LIMIT)?;
+    refused(&periodic, "periodic commits")?;
+    // No periodic checkpoint: the last commit, made as it stops.
+    let last = run_bounded(
+        &mut pipe(&["--stop-at-end", "--checkpoint-interval", "1h"]),
+        RUN_LIMIT,
+    )?;
+    refused(&last, "the last commit")?;
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&values, 1..=100)?;
+    Ok(())
+}
+
 #[test]
 fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {
     let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;

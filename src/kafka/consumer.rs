@@ -150,6 +150,7 @@ impl GuardedConsumerBuilder {
             fenced,
             lease: Lease::new(lease, fenced),
             changelog,
+            metadata_taken: Default::default(),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             cfg.create_with_context(GuardContext { core: core.clone() })

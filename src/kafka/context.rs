@@ -7,6 +7,7 @@
 //! transaction) it asks of the adapter through [`Hooks`].
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -14,7 +15,7 @@ use rdkafka::client::ClientContext;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, ConsumerGroupMetadata, RebalanceProtocol,
 };
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::statistics::Statistics;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -96,6 +97,9 @@ pub(crate) struct Core {
     pub lease: Lease,
     /// The changelog, when the identities are kept in one.
     pub changelog: Option<super::changelog::Changelog>,
+    /// The longest commit metadata the broker has taken from this run (see
+    /// [`Core::commit`]).
+    pub metadata_taken: AtomicUsize,
 }
 
 /// Offsets to commit, with metadata, as librdkafka takes them.
@@ -108,6 +112,27 @@ fn commit_list(positions: &[Position], meta: &str) -> Result<TopicPartitionList>
         e.set_metadata(meta);
     }
     Ok(tpl)
+}
+
+/// The failure to stop with when `e`, an offset commit's error, says the
+/// broker refused the commit metadata as too large: a refusal every later
+/// commit would get too.
+fn metadata_too_large(e: &KafkaError, tpl: &TopicPartitionList) -> Option<Error> {
+    if e.rdkafka_error_code() != Some(RDKafkaErrorCode::OffsetMetadataTooLarge) {
+        return None;
+    }
+    let meta = tpl
+        .elements()
+        .first()
+        .map(|e| e.metadata().to_owned())
+        .unwrap_or_default();
+    let partitions = serde_json::from_str::<SinkPositions>(&meta)
+        .map(|s| s.ends.len() + s.changelog.len())
+        .unwrap_or(0);
+    Some(Error::CommitMetadataTooLarge {
+        bytes: meta.len(),
+        partitions,
+    })
 }
 
 /// The partitions of a librdkafka list.
@@ -423,14 +448,33 @@ impl Core {
         if tpl.count() == 0 || self.hooks.commit(tpl, consumer.group_metadata())? {
             return Ok(());
         }
+        // librdkafka reports no outcome of an asynchronous manual commit,
+        // so a broker that refuses the metadata as too large would go
+        // unseen. Metadata longer than any the broker has taken is
+        // committed synchronously: the run's first commit, then one each
+        // time an offset gains a digit or a partition is added.
+        let len = tpl.elements().first().map_or(0, |e| e.metadata().len());
+        let mode = if len > self.metadata_taken.load(Ordering::Relaxed) {
+            CommitMode::Sync
+        } else {
+            mode
+        };
         match consumer.commit(tpl, mode) {
-            Ok(()) => Ok(()),
-            // The manifest is the truth; a failed advisory commit only slows
-            // down a stateless newcomer.
-            Err(e) => {
-                tracing::warn!(error = %e, "advisory offset commit failed");
+            Ok(()) => {
+                if matches!(mode, CommitMode::Sync) {
+                    self.metadata_taken.fetch_max(len, Ordering::Relaxed);
+                }
                 Ok(())
             }
+            Err(e) => match metadata_too_large(&e, tpl) {
+                Some(refused) => Err(self.stop(refused)),
+                // The manifest is the truth; a failed commit only slows down
+                // a stateless newcomer, and the next checkpoint commits again.
+                None => {
+                    tracing::warn!(error = %e, "offset commit failed");
+                    Ok(())
+                }
+            },
         }
     }
 

@@ -260,6 +260,7 @@ impl GuardedPipelineBuilder {
             fenced,
             lease: Lease::new(lease, fenced),
             changelog,
+            metadata_taken: Default::default(),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg
