@@ -102,6 +102,17 @@ fn pipe(bootstrap: &str, group: &str, state: &Path, mode: &str, extra: &[&str]) 
     c
 }
 
+/// Whether the run that logged into `log` stopped because its group
+/// session or its lease lapsed: on a loaded machine a broker may answer no
+/// heartbeat for the whole session timeout. Such a run says to start it
+/// again.
+fn stopped_fenced(log: &Path) -> bool {
+    std::fs::read_to_string(log).is_ok_and(|text| {
+        text.contains("error_kind=\"assignment_lost\"")
+            || text.contains("error_kind=\"lease_lapsed\"")
+    })
+}
+
 /// Attempts of a final run (see [`run_final`]).
 const FINAL_ATTEMPTS: u32 = 3;
 
@@ -128,11 +139,7 @@ fn run_final(name: &str, log: &Path, mut command: impl FnMut() -> Command) -> Te
         if status.success() {
             return Ok(());
         }
-        let fenced = std::fs::read_to_string(&log).is_ok_and(|text| {
-            text.contains("error_kind=\"assignment_lost\"")
-                || text.contains("error_kind=\"lease_lapsed\"")
-        });
-        if !fenced || attempt == FINAL_ATTEMPTS {
+        if !stopped_fenced(&log) || attempt == FINAL_ATTEMPTS {
             return Err(format!(
                 "{name} failed ({status}, run {attempt} of at most {FINAL_ATTEMPTS}); stderr:\n{}",
                 p.log_tail()
@@ -172,11 +179,15 @@ struct Landed {
     catch_up: u32,
     /// Output close behind input.
     tail: u32,
+    /// No kill: the run stopped by itself first, fenced (see
+    /// [`stopped_fenced`]).
+    fenced: u32,
 }
 
 impl Landed {
+    /// The runs that ended, killed or fenced.
     fn total(self) -> u32 {
-        self.startup + self.catch_up + self.tail
+        self.startup + self.catch_up + self.tail + self.fenced
     }
 
     fn record(&mut self, new_outputs: i64, lag: i64) -> &'static str {
@@ -306,27 +317,52 @@ fn kill_pipe_repeatedly(
         let out_before = ends.total("out")?;
         let mut p = runs.spawn(&i.to_string(), &["--checkpoint-interval", interval])?;
         let started = Instant::now();
-        match *plan {
-            Plan::Timed(d) => sleep_watching(d, &mut [&mut p])?,
-            Plan::CatchUp(fraction) => {
-                // Only `out` is polled, and without a pause: a backlog of a
-                // thousand records is copied in tens of milliseconds.
-                let first = ends.wait_out(out_before + 1, Duration::from_millis(1), &mut p)?;
-                let backlog = ends.total("in")? - out_before;
-                let target = out_before + ((backlog as f64 * fraction) as i64).max(1);
-                if first < target {
-                    ends.wait_out(target, Duration::ZERO, &mut p)?;
+        let log = p.log.clone();
+        let watched = (|p: &mut Proc| -> TestResult<(i64, i64)> {
+            match *plan {
+                Plan::Timed(d) => sleep_watching(d, &mut [p])?,
+                Plan::CatchUp(fraction) => {
+                    // Only `out` is polled, and without a pause: a backlog
+                    // of a thousand records is copied in tens of
+                    // milliseconds.
+                    let first = ends.wait_out(out_before + 1, Duration::from_millis(1), p)?;
+                    let backlog = ends.total("in")? - out_before;
+                    let target = out_before + ((backlog as f64 * fraction) as i64).max(1);
+                    if first < target {
+                        ends.wait_out(target, Duration::ZERO, p)?;
+                    }
+                }
+                Plan::Tail(d) => {
+                    ends.wait_for("tail", FIRST_OUTPUT_LIMIT, &mut [p], |i, o| {
+                        o > out_before && i - o < CATCH_UP_LAG / 2
+                    })?;
+                    sleep_watching(d, &mut [p])?;
                 }
             }
-            Plan::Tail(d) => {
-                ends.wait_for("tail", FIRST_OUTPUT_LIMIT, &mut [&mut p], |i, o| {
-                    o > out_before && i - o < CATCH_UP_LAG / 2
-                })?;
-                sleep_watching(d, &mut [&mut p])?;
+            Ok((ends.total("in")?, ends.total("out")?))
+        })(&mut p);
+        // kill9 fails when the run exited by itself just before.
+        let killed = match watched {
+            Ok(watermarks) => p.kill9().map(|()| watermarks),
+            Err(e) if p.exited()?.is_some() => Err(e),
+            Err(e) => return Err(e),
+        };
+        // A run that stopped by itself because its session or lease lapsed
+        // was told to be started again, which the next run does.
+        let (input, output) = match killed {
+            Err(e) if !stopped_fenced(&log) => return Err(e),
+            Err(_) => {
+                landed.fenced += 1;
+                println!(
+                    "kill {i:2}: {plan:?}, checkpoint every {interval}: the run stopped by \
+                     itself first, fenced after {:?}: {}",
+                    started.elapsed(),
+                    error_line(&log)
+                );
+                continue;
             }
-        }
-        let (input, output) = (ends.total("in")?, ends.total("out")?);
-        p.kill9()?;
+            Ok(watermarks) => watermarks,
+        };
         let phase = landed.record(output - out_before, input - output);
         println!(
             "kill {i:2}: {plan:?}, checkpoint every {interval}, after {:?}: {phase} \
