@@ -43,6 +43,18 @@ fn pipe(broker: &MockBroker, group: &str, state: &Path, extra: &[&str]) -> Comma
     c
 }
 
+/// `pipe` from `in` to `out` on a broker at `bootstrap` (Apache Kafka),
+/// in `group`, plus `extra`.
+fn kafka_pipe(bootstrap: &str, group: &str, state: &Path, extra: &[&str]) -> Command {
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", bootstrap, "--group", group])
+        .args(["--input", "in", "--output", "out", "--state"])
+        .arg(state)
+        .args(extra);
+    c
+}
+
 fn consume(broker: &MockBroker, topic: &str, state: &Path, extra: &[&str]) -> Command {
     let mut c = replayguard();
     c.arg("consume")
@@ -583,15 +595,7 @@ fn pipe_with_a_changelog_ships_its_identities_and_inspect_shows_where() -> TestR
     let bootstrap = broker.bootstrap();
     produce_integers(&bootstrap, "in", 1..=50)?;
     let state = tempfile::tempdir()?;
-    let pipe = |extra: &[&str]| {
-        let mut c = replayguard();
-        c.arg("pipe")
-            .args(["--brokers", bootstrap.as_str(), "--group", "logged"])
-            .args(["--input", "in", "--output", "out", "--state"])
-            .arg(state.path())
-            .args(extra);
-        c
-    };
+    let pipe = |extra: &[&str]| kafka_pipe(&bootstrap, "logged", state.path(), extra);
     let run = run_bounded(
         &mut pipe(&[
             "--stop-at-end",
@@ -643,15 +647,7 @@ fn pipe_stops_when_the_broker_refuses_its_commit_metadata_as_too_large() -> Test
     let bootstrap = broker.bootstrap();
     produce_integers(&bootstrap, "in", 1..=100)?;
     let state = tempfile::tempdir()?;
-    let pipe = |extra: &[&str]| {
-        let mut c = replayguard();
-        c.arg("pipe")
-            .args(["--brokers", bootstrap.as_str(), "--group", "refused"])
-            .args(["--input", "in", "--output", "out", "--state"])
-            .arg(state.path())
-            .args(extra);
-        c
-    };
+    let pipe = |extra: &[&str]| kafka_pipe(&bootstrap, "refused", state.path(), extra);
     let refused = |out: &Output, run: &str| -> TestResult {
         let stderr = text(&out.stderr);
         let last = stderr.lines().last().unwrap_or_default();

@@ -113,6 +113,16 @@ fn stopped_fenced(log: &Path) -> bool {
     })
 }
 
+/// The final guarded `pipe --stop-at-end` of group `group` (see
+/// [`run_final`]), logging into `pipe-final.log`.
+fn final_guarded_pipe(bootstrap: &str, group: &str, state: &Path, logs: &Path) -> TestResult {
+    run_final(
+        "final pipe --stop-at-end",
+        &logs.join("pipe-final.log"),
+        || pipe(bootstrap, group, state, "guarded", &["--stop-at-end"]),
+    )
+}
+
 /// Attempts of a final run (see [`run_final`]).
 const FINAL_ATTEMPTS: u32 = 3;
 
@@ -1054,19 +1064,7 @@ fn pipe_through_a_frozen_broker(broker: &dyn Broker) -> TestResult {
         p.kill9()?;
         kills += 1;
         let n = feeder.finish()?;
-        run_final(
-            "final pipe --stop-at-end",
-            &logs.path().join("pipe-final.log"),
-            || {
-                pipe(
-                    bootstrap,
-                    "frozen",
-                    state.path(),
-                    "guarded",
-                    &["--stop-at-end"],
-                )
-            },
-        )?;
+        final_guarded_pipe(bootstrap, "frozen", state.path(), logs.path())?;
         let values = integers(&read_output(bootstrap, &ends)?)?;
         check_each_once(&values, 1..=n)?;
         check_increasing(&values)?;
@@ -1376,19 +1374,7 @@ fn on_kafka_pipe_through_a_broker_killed_and_restarted_copies_each_integer_once(
         }
         p.kill9()?;
         let n = feeder.finish()?;
-        run_final(
-            "final pipe --stop-at-end",
-            &logs.path().join("pipe-final.log"),
-            || {
-                pipe(
-                    bootstrap,
-                    "restarted",
-                    state.path(),
-                    "guarded",
-                    &["--stop-at-end"],
-                )
-            },
-        )?;
+        final_guarded_pipe(bootstrap, "restarted", state.path(), logs.path())?;
         let ends = Ends::new(bootstrap, &[("in", 1), ("out", 1)])?;
         let values = integers(&read_output(bootstrap, &ends)?)?;
         check_each_once(&values, 1..=n)?;
