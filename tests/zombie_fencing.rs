@@ -14,6 +14,8 @@
 //! - The partition the new owner holds through its wait given back in a
 //!   rebalance (a third instance joins, eager assignment) before it was
 //!   reconciled: 0 duplicates, 0 lost.
+//! - A new owner whose checkpoint interval is an hour still releases what
+//!   it holds once its wait is over, and finishes.
 //!
 //! The output is read back with confluent-kafka.
 
@@ -25,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use replayguard_testkit::{
     Broker, Ends, FIRST_OUTPUT_LIMIT, Feeder, Frozen, KafkaBroker, KafkaOptions, MockBroker, Proc,
-    PyClient, Record, TestResult, check_each_once, integers, lines_of, outcome, read_topic,
-    replayguard_bin, seeded, sleep_watching,
+    PyClient, Record, TestResult, check_each_once, integers, lines_of, outcome, produce_integers,
+    read_topic, replayguard_bin, seeded, sleep_watching,
 };
 
 /// How long the old owner is frozen or cut off: past its 6 s session
@@ -44,12 +46,12 @@ fn pipe(bootstrap: &str, name: &str, state: &std::path::Path, extra: &[&str]) ->
         .args(["--brokers", bootstrap, "--group", "fenced"])
         .args(["--input", "in", "--output", "out", "--state"])
         .arg(state)
-        .args([
-            "-X",
-            "session.timeout.ms=6000",
-            "--checkpoint-interval",
-            "500ms",
-        ])
+        .args(["-X", "session.timeout.ms=6000"])
+        .args(if extra.contains(&"--checkpoint-interval") {
+            &[][..]
+        } else {
+            &["--checkpoint-interval", "500ms"][..]
+        })
         .args(extra)
         .stdout(Stdio::null());
     let _ = name;
@@ -384,6 +386,56 @@ fn a_rebalance_during_the_wait(broker: &dyn Broker) -> TestResult {
 fn on_the_mock_a_partition_given_back_during_its_wait_is_still_reconciled() -> TestResult {
     let broker = MockBroker::start(&[("in", 2), ("out", 1)])?;
     a_rebalance_during_the_wait(&broker)
+}
+
+/// A new owner that holds the partitions it took without a clean
+/// handover releases them when the wait is over, however long its
+/// checkpoint interval: all it holds sends no records, and nothing else
+/// would wake it before its next checkpoint.
+#[test]
+fn on_the_mock_a_new_owner_with_a_long_checkpoint_interval_resumes_after_its_wait() -> TestResult {
+    let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
+    let bootstrap = broker.servers();
+    let logs = tempfile::Builder::new().prefix("fencing-logs-").tempdir()?;
+    let (seed, _rng) = seeded("long checkpoint interval");
+    let result = (|| -> TestResult {
+        let ends = Ends::new(&bootstrap, &[("in", 2), ("out", 2)])?;
+        produce_integers(&bootstrap, "in", 1..=2_000)?;
+        let (state_a, state_b) = (tempfile::tempdir()?, tempfile::tempdir()?);
+        // B copies everything, commits without a clean handover, and dies.
+        let mut b = Proc::spawn(
+            "pipe B".into(),
+            &mut pipe(&bootstrap, "B", state_b.path(), &[]),
+            logs.path().join("b.log"),
+        )?;
+        ends.wait_out(2_000, Duration::from_millis(50), &mut b)?;
+        sleep_watching(Duration::from_secs(2), &mut [&mut b])?;
+        b.kill9()?;
+        // A waits for B's outputs in flight, then reconciles and finds
+        // nothing left to write; its first checkpoint is an hour away.
+        let mut a = Proc::spawn(
+            "pipe A".into(),
+            &mut pipe(
+                &bootstrap,
+                "A",
+                state_a.path(),
+                &["--checkpoint-interval", "1h", "--stop-at-end"],
+            ),
+            logs.path().join("a.log"),
+        )?;
+        let status = a.wait(Duration::from_secs(90))?;
+        let log = std::fs::read_to_string(&a.log)?;
+        if !status.success() || !log.contains("held partitions reconciled and resumed") {
+            return Err(format!(
+                "A did not finish after its wait ({status}); stderr:\n{}",
+                a.log_tail()
+            )
+            .into());
+        }
+        let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+        check_each_once(&values, 1..=2_000)
+    })();
+    outcome(result, seed, logs)
 }
 
 #[test]

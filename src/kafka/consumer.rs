@@ -151,6 +151,7 @@ impl GuardedConsumerBuilder {
             lease: Lease::new(lease, fenced),
             changelog,
             metadata_taken: Default::default(),
+            held_arrived: Default::default(),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             cfg.create_with_context(GuardContext { core: core.clone() })

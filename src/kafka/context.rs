@@ -100,6 +100,10 @@ pub(crate) struct Core {
     /// The longest commit metadata the broker has taken from this run (see
     /// [`Core::commit`]).
     pub metadata_taken: AtomicUsize,
+    /// Signalled when arriving partitions are held: a run loop that waits
+    /// for records (which held partitions do not send) or for its next
+    /// checkpoint learns when to release them.
+    pub held_arrived: tokio::sync::Notify,
 }
 
 /// Offsets to commit, with metadata, as librdkafka takes them.
@@ -722,6 +726,7 @@ impl Core {
                 });
             }
         }
+        self.held_arrived.notify_one();
     }
 }
 

@@ -261,6 +261,7 @@ impl GuardedPipelineBuilder {
             lease: Lease::new(lease, fenced),
             changelog,
             metadata_taken: Default::default(),
+            held_arrived: Default::default(),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg

@@ -174,6 +174,9 @@ impl GuardedPipeline {
                 }
                 _ = tick.tick() => self.checkpoint(CommitMode::Async).await?,
                 () = release => {}
+                // Partitions held by a rebalance served inside `recv`: the
+                // next round computes when to release them.
+                () = self.core.held_arrived.notified() => {}
                 m = self.consumer.recv(), if reading => {
                     if self.read(m, &mut queue, &mut transient)? {
                         ending = Ending::End;
