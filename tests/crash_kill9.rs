@@ -56,8 +56,8 @@ use rand::seq::SliceRandom;
 use replayguard_testkit::{
     Broker, Ends, FIRST_OUTPUT_LIMIT, Feeder, Frozen, KafkaBroker, MockBroker, Proc, PyClient,
     ReadOptions, Record, TansuBroker, TestResult, check_each_once, check_increasing, error_line,
-    integers, lines_of, outcome, produce_integers, read_topic, read_topic_with, seeded,
-    sleep_watching,
+    integers, lines_of, outcome, produce_integers, read_topic, read_topic_with, run_restarted,
+    seeded, sleep_watching, stopped_fenced,
 };
 
 /// How long a final `--stop-at-end` run may take (group join, recovery,
@@ -102,17 +102,6 @@ fn pipe(bootstrap: &str, group: &str, state: &Path, mode: &str, extra: &[&str]) 
     c
 }
 
-/// Whether the run that logged into `log` stopped because its group
-/// session or its lease lapsed: on a loaded machine a broker may answer no
-/// heartbeat for the whole session timeout. Such a run says to start it
-/// again.
-fn stopped_fenced(log: &Path) -> bool {
-    std::fs::read_to_string(log).is_ok_and(|text| {
-        text.contains("error_kind=\"assignment_lost\"")
-            || text.contains("error_kind=\"lease_lapsed\"")
-    })
-}
-
 /// The final guarded `pipe --stop-at-end` of group `group` (see
 /// [`run_final`]), logging into `pipe-final.log`.
 fn final_guarded_pipe(bootstrap: &str, group: &str, state: &Path, logs: &Path) -> TestResult {
@@ -123,45 +112,10 @@ fn final_guarded_pipe(bootstrap: &str, group: &str, state: &Path, logs: &Path) -
     )
 }
 
-/// Attempts of a final run (see [`run_final`]).
-const FINAL_ATTEMPTS: u32 = 3;
-
-/// Runs a final `--stop-at-end` pipe, `command`, until it succeeds. A run
-/// that stops because its group session or its lease lapsed (on a loaded
-/// machine the broker may answer no heartbeat for the whole session
-/// timeout) says to start it again; this does, as a supervisor would, up
-/// to `FINAL_ATTEMPTS` runs in all. Any other failure fails at once. Each
-/// run is one more restart over the same state, so the exactly-once checks
-/// that follow cover it.
-fn run_final(name: &str, log: &Path, mut command: impl FnMut() -> Command) -> TestResult {
-    for attempt in 1..=FINAL_ATTEMPTS {
-        let log = if attempt == 1 {
-            log.to_owned()
-        } else {
-            log.with_extension(format!("{attempt}.log"))
-        };
-        let mut p = Proc::spawn(
-            name.to_owned(),
-            command().stdout(Stdio::null()),
-            log.clone(),
-        )?;
-        let status = p.wait(FINAL_LIMIT)?;
-        if status.success() {
-            return Ok(());
-        }
-        if !stopped_fenced(&log) || attempt == FINAL_ATTEMPTS {
-            return Err(format!(
-                "{name} failed ({status}, run {attempt} of at most {FINAL_ATTEMPTS}); stderr:\n{}",
-                p.log_tail()
-            )
-            .into());
-        }
-        println!(
-            "{name}: run {attempt} stopped as fenced ({}); starting it again",
-            error_line(&log)
-        );
-    }
-    unreachable!("the last attempt returns")
+/// Runs a final `--stop-at-end` pipe, `command`, to success (see
+/// [`replayguard_testkit::run_restarted`]).
+fn run_final(name: &str, log: &Path, command: impl FnMut() -> Command) -> TestResult {
+    run_restarted(name, log, FINAL_LIMIT, command)
 }
 
 // ---------------------------------------------------------------------------

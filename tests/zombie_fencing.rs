@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use replayguard_testkit::{
     Broker, Ends, FIRST_OUTPUT_LIMIT, Feeder, Frozen, KafkaBroker, KafkaOptions, MockBroker, Proc,
-    PyClient, Record, TestResult, check_each_once, integers, lines_of, outcome, produce_integers,
-    read_topic, replayguard_bin, seeded, sleep_watching,
+    PyClient, Record, TestResult, check_each_once, clone_command, integers, lines_of, outcome,
+    produce_integers, read_topic, replayguard_bin, run_restarted, seeded, sleep_watching,
 };
 
 /// How long the old owner is frozen or cut off: past its 6 s session
@@ -208,12 +208,12 @@ fn finish_and_count<const N: usize>(
     let n = feeder.finish()?;
     for (who, mut cmd) in commands {
         cmd.arg("--stop-at-end");
-        Proc::spawn(
-            format!("final {who}"),
-            &mut cmd,
-            logs.path().join(format!("final-{who}.log")),
-        )?
-        .succeed(Duration::from_secs(120))?;
+        run_restarted(
+            &format!("final {who}"),
+            &logs.path().join(format!("final-{who}.log")),
+            Duration::from_secs(120),
+            || clone_command(&cmd),
+        )?;
     }
     let records = read_topic(&broker.servers(), "out", PyClient::Confluent)?;
     let values = integers(&records)?;

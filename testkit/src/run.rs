@@ -410,3 +410,81 @@ pub fn error_line(log: &Path) -> String {
         .unwrap_or("")
         .to_owned()
 }
+
+/// Whether the run that logged into `log` stopped because its group
+/// session or its lease lapsed: on a loaded machine a broker may answer no
+/// heartbeat for the whole session timeout. Such a run says to start it
+/// again.
+pub fn stopped_fenced(log: &Path) -> bool {
+    std::fs::read_to_string(log).is_ok_and(|text| {
+        text.contains("error_kind=\"assignment_lost\"")
+            || text.contains("error_kind=\"lease_lapsed\"")
+    })
+}
+
+/// Runs of [`run_restarted`] at the most.
+pub const RESTARTED_RUNS: u32 = 3;
+
+/// Runs `command` (stdout discarded, stderr into `log`) until it exits
+/// successfully, each run for at most `limit`. A run that stopped fenced
+/// ([`stopped_fenced`]) is started again, as a supervisor would, up to
+/// [`RESTARTED_RUNS`] runs in all; any other failure fails at once. Every
+/// run works on the same state, so the checks that follow cover them all.
+///
+/// # Errors
+/// A run that failed otherwise, the last run's failure, or one that ran
+/// past `limit`.
+pub fn run_restarted(
+    name: &str,
+    log: &Path,
+    limit: Duration,
+    mut command: impl FnMut() -> Command,
+) -> TestResult {
+    for run in 1..=RESTARTED_RUNS {
+        let log = if run == 1 {
+            log.to_owned()
+        } else {
+            log.with_extension(format!("{run}.log"))
+        };
+        let mut p = Proc::spawn(
+            name.to_owned(),
+            command().stdout(Stdio::null()),
+            log.clone(),
+        )?;
+        let status = p.wait(limit)?;
+        if status.success() {
+            return Ok(());
+        }
+        if !stopped_fenced(&log) || run == RESTARTED_RUNS {
+            return Err(format!(
+                "{name} failed ({status}, run {run} of at most {RESTARTED_RUNS}); stderr:\n{}",
+                p.log_tail()
+            )
+            .into());
+        }
+        println!(
+            "{name}: run {run} stopped fenced ({}); starting it again",
+            error_line(&log)
+        );
+    }
+    unreachable!("the last run returns")
+}
+
+/// A new command with `c`'s program, arguments, environment changes and
+/// working folder (a `Command` cannot be cloned, and one run consumes its
+/// stdio settings).
+#[must_use]
+pub fn clone_command(c: &Command) -> Command {
+    let mut copy = Command::new(c.get_program());
+    copy.args(c.get_args());
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => copy.env(k, v),
+            None => copy.env_remove(k),
+        };
+    }
+    if let Some(dir) = c.get_current_dir() {
+        copy.current_dir(dir);
+    }
+    copy
+}
