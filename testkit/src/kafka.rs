@@ -20,7 +20,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use crate::process::{run_bounded, send_signal, wait_bounded};
 use crate::proxy::Proxy;
-use crate::{TestResult, free_port, repo_root};
+use crate::{TestResult, free_ports, repo_root};
 
 /// How long a broker may take to answer a metadata request after its
 /// start. A cold JVM on a loaded 2-core machine took up to about 20 s.
@@ -114,23 +114,20 @@ impl KafkaBroker {
         // again (the folder is new each time, so nothing is formatted yet).
         let mut last = String::new();
         for _ in 0..3 {
+            let [port, controller_port, listener, proxy_port] = free_ports()?;
             let mut broker = Self {
                 dir: tempfile::Builder::new().prefix("kafka-").tempdir()?,
-                port: free_port()?,
-                controller_port: free_port()?,
+                port,
+                controller_port,
                 options: options.clone(),
                 child: None,
                 starts: 0,
                 proxied: None,
                 last_start: Duration::ZERO,
             };
-            if broker.port == broker.controller_port {
-                continue;
-            }
             if options.proxied {
-                let listener = free_port()?;
                 let proxy = Proxy::start(
-                    free_port()?,
+                    proxy_port,
                     std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, listener)),
                 )?;
                 broker.proxied = Some((listener, proxy));

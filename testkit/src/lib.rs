@@ -88,8 +88,24 @@ pub fn repo_root() -> &'static Path {
 /// # Errors
 /// When no port can be bound.
 pub fn free_port() -> TestResult<u16> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    Ok(listener.local_addr()?.port())
+    Ok(free_ports::<1>()?[0])
+}
+
+/// `N` different ports free on 127.0.0.1 when picked: all are held open
+/// until the last is picked, so that the system cannot hand out one twice
+/// (as picking them one by one can).
+///
+/// # Errors
+/// When the system has no port to give.
+pub fn free_ports<const N: usize>() -> TestResult<[u16; N]> {
+    let mut held = Vec::with_capacity(N);
+    let mut ports = [0; N];
+    for port in &mut ports {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+        *port = listener.local_addr()?.port();
+        held.push(listener);
+    }
+    Ok(ports)
 }
 
 /// A bootstrap address's client configuration, the base of every client
