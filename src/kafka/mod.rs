@@ -81,8 +81,10 @@
 //! bounded delivery time. A member given a partition by another instance
 //! without a clean handover (commit metadata says who wrote it and whether
 //! a revoke flushed first) keeps it paused for that instance's delivery
-//! bound before it reconciles the output. The README's guarantees say what
-//! this covers and what it does not.
+//! bound before it reconciles the output. A broker that refuses that
+//! metadata as too long stops the pipeline
+//! ([`crate::Error::CommitMetadataTooLarge`]). The README's guarantees say
+//! what this covers and what it does not.
 
 #[cfg(feature = "baselines")]
 pub mod baseline;
