@@ -159,20 +159,6 @@ impl Proc {
         wait_bounded(&mut self.child, limit)
             .map_err(|e| format!("{}: {e}; stderr:\n{}", self.name, self.log_tail()).into())
     }
-
-    /// Waits for a successful exit.
-    pub fn succeed(mut self, limit: Duration) -> TestResult {
-        let status = self.wait(limit)?;
-        if !status.success() {
-            return Err(format!(
-                "{} failed ({status}); stderr:\n{}",
-                self.name,
-                self.log_tail()
-            )
-            .into());
-        }
-        Ok(())
-    }
 }
 
 impl Drop for Proc {
