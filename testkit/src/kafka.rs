@@ -126,11 +126,16 @@ impl KafkaBroker {
                 last_start: Duration::ZERO,
             };
             if options.proxied {
-                let proxy = Proxy::start(
-                    proxy_port,
-                    std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, listener)),
-                )?;
-                broker.proxied = Some((listener, proxy));
+                let upstream =
+                    std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, listener));
+                match Proxy::start(proxy_port, upstream) {
+                    Ok(proxy) => broker.proxied = Some((listener, proxy)),
+                    Err(e) if e.to_string().contains("Address already in use") => {
+                        last = e.to_string();
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             if !options.sasl_users.is_empty() {
                 broker.make_certificates()?;
