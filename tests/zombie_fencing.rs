@@ -65,19 +65,43 @@ enum Away {
     Frozen,
     /// Its proxy holds all its traffic, then lets it through.
     CutOff,
+    /// SIGKILL; only its final run comes back.
+    Killed,
 }
 
-/// A and B share a 2-partition input; A, with a producer backlog, is taken
-/// away for `AWAY`, B takes its partition over; A comes back. Returns the
-/// number of duplicated values in the output (nothing may be missing).
+/// How the old owner leaves and what it runs with.
+#[derive(Clone, Copy)]
+struct Leaving {
+    away: Away,
+    /// How long it is away.
+    for_: Duration,
+    /// Its arguments beyond `pipe`'s.
+    extra: &'static [&'static str],
+}
+
+impl Leaving {
+    /// Taken away for `AWAY`, with a producer backlog.
+    fn backlogged(away: Away) -> Self {
+        Leaving {
+            away,
+            for_: AWAY,
+            extra: &["-X", "linger.ms=2000"],
+        }
+    }
+}
+
+/// A and B share a 2-partition input; A is taken away as `leaving` says,
+/// B takes its partition over; A comes back. Returns the number of
+/// duplicated values in the output (nothing may be missing).
 fn old_owner_comes_back(
     broker: &dyn Broker,
     a_bootstrap: &str,
     proxy: Option<&replayguard_testkit::Proxy>,
-    away: Away,
+    leaving: Leaving,
     fencing: bool,
     kill_successor_while_waiting: bool,
 ) -> TestResult<usize> {
+    let away = leaving.away;
     let bootstrap = broker.servers();
     let name = format!(
         "{away:?} old owner, {}, fencing {}",
@@ -94,7 +118,7 @@ fn old_owner_comes_back(
                 c.env("REPLAYGUARD_FAIL_AT", "no-fencing");
             }
         };
-        let mut cmd_a = pipe(a_bootstrap, "A", state_a.path(), &["-X", "linger.ms=2000"]);
+        let mut cmd_a = pipe(a_bootstrap, "A", state_a.path(), leaving.extra);
         fence(&mut cmd_a);
         let mut cmd_b = pipe(&bootstrap, "B", state_b.path(), &[]);
         fence(&mut cmd_b);
@@ -106,6 +130,10 @@ fn old_owner_comes_back(
             Away::Frozen => Some(Frozen::freeze(a.child.id())?),
             Away::CutOff => {
                 proxy.ok_or("no proxy")?.hold();
+                None
+            }
+            Away::Killed => {
+                a.child.kill()?;
                 None
             }
         };
@@ -123,18 +151,24 @@ fn old_owner_comes_back(
                 logs.path().join("b2.log"),
             )?;
         }
-        let left = AWAY.saturating_sub(taken.elapsed());
+        let left = leaving.for_.saturating_sub(taken.elapsed());
         sleep_watching(left, &mut [&mut b])?;
-        match frozen {
-            Some(f) => f.thaw()?,
-            None => proxy.ok_or("no proxy")?.release(),
+        match (frozen, away) {
+            (Some(f), _) => f.thaw()?,
+            (None, Away::CutOff) => proxy.ok_or("no proxy")?.release(),
+            (None, _) => {}
         }
-        println!("{name}: A back after {:?}", taken.elapsed());
+        if away != Away::Killed {
+            println!("{name}: A back after {:?}", taken.elapsed());
+        }
         // A finds out that it may not write any more, or, unfenced, carries
         // on; either way it is stopped a while later.
         sleep_watching(Duration::from_secs(8), &mut [&mut b])?;
         let a_status = a.exited()?;
-        if fencing && let Some(status) = a_status {
+        if fencing
+            && away != Away::Killed
+            && let Some(status) = a_status
+        {
             let line = replayguard_testkit::error_line(&a.log);
             println!("{name}: A exited by itself ({status}): {line}");
         }
@@ -151,10 +185,8 @@ fn old_owner_comes_back(
             fencing,
         )
     })();
-    match result {
-        Ok(d) => Ok(d),
-        Err(e) => outcome(Err(e), seed, logs).map(|()| 0),
-    }
+    let duplicates = result.as_ref().map_or(0, |d| *d);
+    outcome(result.map(drop), seed, logs).map(|()| duplicates)
 }
 
 /// Returns once B's log says it waits for a previous owner before it
@@ -286,7 +318,7 @@ fn on_kafka_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote() 
         &broker,
         &broker.bootstrap(),
         None,
-        Away::Frozen,
+        Leaving::backlogged(Away::Frozen),
         true,
         false,
     )
@@ -296,7 +328,70 @@ fn on_kafka_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote() 
 #[test]
 fn on_the_mock_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote() -> TestResult {
     let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
-    old_owner_comes_back(&broker, broker.bootstrap(), None, Away::Frozen, true, false).map(drop)
+    old_owner_comes_back(
+        &broker,
+        broker.bootstrap(),
+        None,
+        Leaving::backlogged(Away::Frozen),
+        true,
+        false,
+    )
+    .map(drop)
+}
+
+/// How A leaves in the tests of an owner taken away before its first
+/// checkpoint (an hour's interval): away past its session timeout, for
+/// less than its outputs can stay in flight (30 s).
+fn before_its_first_commit(away: Away) -> Leaving {
+    Leaving {
+        away,
+        for_: Duration::from_secs(12),
+        extra: &[
+            "--checkpoint-interval",
+            "1h",
+            "-X",
+            "linger.ms=2000",
+            "-X",
+            "message.timeout.ms=30000",
+        ],
+    }
+}
+
+#[test]
+fn on_kafka_a_pipe_killed_before_its_first_commit_leaves_nothing_its_successor_writes_again()
+-> TestResult {
+    let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
+    old_owner_comes_back(
+        &broker,
+        &broker.bootstrap(),
+        None,
+        before_its_first_commit(Away::Killed),
+        true,
+        false,
+    )
+    .map(drop)
+}
+
+#[test]
+fn on_kafka_a_pipe_cut_off_before_its_first_commit_writes_nothing_its_successor_wrote() -> TestResult
+{
+    let broker = KafkaBroker::start_with(
+        KafkaOptions {
+            proxied: true,
+            ..KafkaOptions::default()
+        },
+        &[("in", 2), ("out", 2)],
+    )?;
+    let through_proxy = broker.proxied_bootstrap().ok_or("no proxied listener")?;
+    old_owner_comes_back(
+        &broker,
+        &through_proxy,
+        broker.proxy(),
+        before_its_first_commit(Away::CutOff),
+        true,
+        false,
+    )
+    .map(drop)
 }
 
 /// A dies after its outputs reached the broker and before its inputs were
@@ -449,7 +544,7 @@ fn on_kafka_control_with_fencing_off_a_thawed_pipe_writes_duplicates() -> TestRe
             &broker,
             &broker.bootstrap(),
             None,
-            Away::Frozen,
+            Leaving::backlogged(Away::Frozen),
             false,
             false,
         )?;
@@ -475,7 +570,7 @@ fn on_kafka_a_pipe_cut_off_past_its_session_writes_nothing_its_successor_wrote()
         &broker,
         &through_proxy,
         broker.proxy(),
-        Away::CutOff,
+        Leaving::backlogged(Away::CutOff),
         true,
         false,
     )
@@ -485,7 +580,15 @@ fn on_kafka_a_pipe_cut_off_past_its_session_writes_nothing_its_successor_wrote()
 #[test]
 fn on_kafka_the_new_owner_killed_during_its_wait_still_copies_each_once() -> TestResult {
     let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
-    old_owner_comes_back(&broker, &broker.bootstrap(), None, Away::Frozen, true, true).map(drop)
+    old_owner_comes_back(
+        &broker,
+        &broker.bootstrap(),
+        None,
+        Leaving::backlogged(Away::Frozen),
+        true,
+        true,
+    )
+    .map(drop)
 }
 
 #[test]

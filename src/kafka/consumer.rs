@@ -152,6 +152,7 @@ impl GuardedConsumerBuilder {
             changelog,
             metadata_taken: Default::default(),
             held_arrived: Default::default(),
+            start_at_end: setup::starts_at_end(&cfg),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             cfg.create_with_context(GuardContext { core: core.clone() })

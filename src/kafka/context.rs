@@ -104,6 +104,9 @@ pub(crate) struct Core {
     /// for records (which held partitions do not send) or for its next
     /// checkpoint learns when to release them.
     pub held_arrived: tokio::sync::Notify,
+    /// `auto.offset.reset` points at a partition's end: where a partition
+    /// with no position anywhere starts.
+    pub start_at_end: bool,
 }
 
 /// Offsets to commit, with metadata, as librdkafka takes them.
@@ -363,6 +366,21 @@ impl Core {
         };
         self.hooks
             .reconcile(self, held.manifest.as_ref(), &held.commits)?;
+        let starts: Vec<(String, i32, Option<i64>)> = {
+            let s = self.lock();
+            held.partitions
+                .iter()
+                .map(|(t, p)| {
+                    let next = s
+                        .tracks
+                        .get(t)
+                        .and_then(|m| m.get(p))
+                        .and_then(|tr| tr.next);
+                    (t.clone(), *p, next)
+                })
+                .collect()
+        };
+        self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)?;
         let mut tpl = TopicPartitionList::new();
         {
             let mut s = self.lock();
@@ -482,6 +500,95 @@ impl Core {
         }
     }
 
+    /// Claims arriving partitions before any output of theirs is written:
+    /// commits each at its start, with metadata that names this instance,
+    /// no clean handover, and the sink positions its reconciliation started
+    /// from. Without the claim the group would still hold the previous
+    /// owner's clean handover, or nothing, until this instance's first
+    /// checkpoint; a successor that took the partitions from this instance,
+    /// frozen or cut off before then, would not wait for its outputs in
+    /// flight. A claim the broker refuses leaves that gap open until the
+    /// first checkpoint, and says so in the log; one refused as too large
+    /// stops the pipeline, as every later commit would be.
+    fn claim(
+        &self,
+        consumer: &impl Consumer<GuardContext>,
+        starts: &[(String, i32, Option<i64>)],
+        manifest: Option<&SinkPositions>,
+        commits: &[SinkPositions],
+    ) -> Result<()> {
+        if !self.fenced || !self.hooks.writes() || starts.is_empty() {
+            return Ok(());
+        }
+        let meta = {
+            let s = self.lock();
+            let Some(sink) = s.sink.as_ref() else {
+                return Ok(());
+            };
+            // Reconciliation read each output partition from the lowest
+            // position a source names, or from its start when none does;
+            // the claim names the same, so that a successor reads at least
+            // as much. After reconciliation the sink knows every output
+            // partition.
+            let mut ends: BTreeMap<i32, i64> = sink.ends.keys().map(|p| (*p, 0)).collect();
+            for (p, from) in &mut ends {
+                *from = manifest
+                    .into_iter()
+                    .chain(commits)
+                    .filter(|source| source.topic == sink.topic)
+                    .filter_map(|source| source.ends.get(p).copied())
+                    .min()
+                    .unwrap_or(0);
+            }
+            SinkPositions {
+                topic: sink.topic.clone(),
+                ends,
+                instance: self.instance.clone(),
+                clean: false,
+                in_flight_ms: sink.in_flight_ms,
+                changelog: BTreeMap::new(),
+            }
+        };
+        let meta = serde_json::to_string(&meta).map_err(|source| Error::Encode {
+            what: "the sink positions",
+            source,
+        })?;
+        let mut tpl = TopicPartitionList::new();
+        for (topic, p, start) in starts {
+            let offset = match start {
+                Some(o) => *o,
+                None => {
+                    let (low, high) = consumer
+                        .fetch_watermarks(topic, *p, self.timeout)
+                        .map_err(kafka("reading input watermarks"))?;
+                    if self.start_at_end { high } else { low }
+                }
+            };
+            let mut e = tpl.add_partition(topic, *p);
+            e.set_offset(Offset::Offset(offset))
+                .map_err(kafka("setting a claim's offset"))?;
+            e.set_metadata(&meta);
+        }
+        match consumer.commit(&tpl, CommitMode::Sync) {
+            Ok(()) => {
+                self.metadata_taken.fetch_max(meta.len(), Ordering::Relaxed);
+                tracing::debug!(partitions = tpl.count(), "arriving partitions claimed");
+                Ok(())
+            }
+            Err(e) => match metadata_too_large(&e, &tpl) {
+                Some(refused) => Err(self.stop(refused)),
+                None => {
+                    tracing::warn!(
+                        error = %e,
+                        partitions = tpl.count(),
+                        "claiming arriving partitions failed: until this instance's first checkpoint commits them, a successor that takes them while this instance is frozen or cut off does not wait for its outputs in flight"
+                    );
+                    Ok(())
+                }
+            },
+        }
+    }
+
     /// A revoke: flushes, checkpoints and commits the leaving partitions,
     /// then forgets them. Records of theirs still being processed are left
     /// to their next owner: their outputs are not written.
@@ -562,6 +669,12 @@ impl Core {
                 None => {
                     self.hooks
                         .reconcile(self, manifest_sink.as_ref(), &arrival.from_commits)?;
+                    self.claim(
+                        consumer,
+                        &arrival.starts,
+                        manifest_sink.as_ref(),
+                        &arrival.from_commits,
+                    )?;
                 }
             }
         }

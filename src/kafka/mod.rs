@@ -81,7 +81,10 @@
 //! bounded delivery time. A member given a partition by another instance
 //! without a clean handover (commit metadata says who wrote it and whether
 //! a revoke flushed first) keeps it paused for that instance's delivery
-//! bound before it reconciles the output. A broker that refuses that
+//! bound before it reconciles the output. Every owner commits such
+//! metadata for a partition it takes (a claim) before the partition's
+//! first output, so that its successor waits for it even when it left
+//! before its first checkpoint. A broker that refuses that
 //! metadata as too long stops the pipeline
 //! ([`crate::Error::CommitMetadataTooLarge`]). The README's guarantees say
 //! what this covers and what it does not.

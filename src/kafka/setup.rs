@@ -100,6 +100,15 @@ pub(crate) fn guarded_consumer_config(
     Ok(cfg)
 }
 
+/// Whether `auto.offset.reset` sends a partition with no position anywhere
+/// to its end (`latest`, `largest`, `end`) rather than its start.
+pub(crate) fn starts_at_end(cfg: &ClientConfig) -> bool {
+    matches!(
+        cfg.get("auto.offset.reset"),
+        Some("latest" | "largest" | "end")
+    )
+}
+
 /// A millisecond setting of `cfg`, or `default` when unset or unreadable.
 fn millis(cfg: &ClientConfig, key: &str, default: u64) -> Duration {
     Duration::from_millis(

@@ -262,6 +262,7 @@ impl GuardedPipelineBuilder {
             changelog,
             metadata_taken: Default::default(),
             held_arrived: Default::default(),
+            start_at_end: setup::starts_at_end(&consumer_cfg),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg
