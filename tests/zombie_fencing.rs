@@ -16,6 +16,10 @@
 //!   reconciled: 0 duplicates, 0 lost.
 //! - A new owner whose checkpoint interval is an hour still releases what
 //!   it holds once its wait is over, and finishes.
+//! - An owner killed, or cut off for 12 s, before its first checkpoint (an
+//!   hour's interval) of a partition it took in a clean handover or with no
+//!   commit at all: its claim makes its successor wait and reconcile, so 0
+//!   duplicates, 0 lost. Without the claim, 985 and 1,451 duplicates.
 //!
 //! The output is read back with confluent-kafka.
 
