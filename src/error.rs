@@ -270,6 +270,9 @@ pub enum Error {
     Stopped {
         /// What stopped it.
         reason: String,
+        /// The kind ([`Error::kind`]) of the earlier failure that stopped
+        /// it, when there was one.
+        after: Option<&'static str>,
     },
 
     /// A value could not be encoded for storage or for commit metadata.
@@ -345,6 +348,22 @@ impl Error {
         matches!(self, Error::Store { .. } | Error::Io(_))
     }
 
+    /// True when the instance stopped because it may no longer own its
+    /// partitions: its lease lapsed or its group session timed out, or a
+    /// call after such a stop. It did nothing wrong, and starting it again
+    /// (with the same state folder) is the remedy; the command line exits
+    /// with status 75 for it.
+    #[must_use]
+    pub fn is_fenced(&self) -> bool {
+        let kind = match self {
+            Error::Stopped {
+                after: Some(kind), ..
+            } => kind,
+            e => e.kind(),
+        };
+        matches!(kind, "lease_lapsed" | "assignment_lost")
+    }
+
     /// A short, stable name of the kind of failure, in snake case (for
     /// example `store`, `poisoned`, `lease_lapsed`): for structured logs
     /// and alerts, which should not match on the `Display` text.
@@ -382,5 +401,31 @@ impl Error {
             Error::Changelog { .. } => "changelog",
             Error::Io(_) => "io",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::Error;
+
+    #[test]
+    fn a_stop_for_lost_ownership_is_fenced_and_so_is_a_later_call_after_one() {
+        let lapsed = Error::LeaseLapsed {
+            since: Duration::from_secs(12),
+            lease: Duration::from_secs(4),
+        };
+        assert!(lapsed.is_fenced());
+        assert!(Error::AssignmentLost.is_fenced());
+        let after = |kind| Error::Stopped {
+            reason: "stopped after an earlier failure".into(),
+            after: kind,
+        };
+        assert!(after(Some("assignment_lost")).is_fenced());
+        assert!(after(Some("lease_lapsed")).is_fenced());
+        assert!(!after(Some("delivery")).is_fenced());
+        assert!(!after(None).is_fenced());
+        assert!(!Error::Config("x".into()).is_fenced());
     }
 }

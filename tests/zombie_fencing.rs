@@ -661,6 +661,14 @@ fn on_kafka_a_frozen_guarded_consumer_delivers_nothing_after_its_thaw() -> TestR
         after_thaw.len(),
         replayguard_testkit::error_line(&a.log)
     );
+    // Stopped for its lapsed lease, it asks to be started again.
+    if let Some(status) = status {
+        assert_eq!(
+            status.code(),
+            Some(75),
+            "a consumer stopped by its lapsed lease should exit 75"
+        );
+    }
     // B kept delivering, A's partition included.
     let b_before = std::iter::from_fn(|| b_lines.try_recv().ok()).count();
     b_lines

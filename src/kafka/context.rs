@@ -175,6 +175,7 @@ impl Core {
         s.fail(e);
         s.failure().unwrap_or_else(|| Error::Stopped {
             reason: "stopped".into(),
+            after: None,
         })
     }
 
@@ -443,6 +444,7 @@ impl Core {
                             "{unacked} outputs still unacked after the flush timeout ({:?}) before a revoke",
                             self.timeout
                         ),
+                        after: None,
                     });
                 }
             }

@@ -129,6 +129,7 @@ async fn close_bounded(
             reason: format!(
                 "closing the Kafka clients took longer than {timeout:?}; they go on closing in the background"
             ),
+            after: None,
         }),
     }
 }

@@ -178,6 +178,7 @@ impl Reconciler {
                             "output reconciliation of {} made no progress for {:?}; partitions left: {:?}",
                             self.topic, self.timeout, targets
                         ),
+                        after: None,
                     });
                 }
                 continue;

@@ -403,5 +403,6 @@ pub(crate) async fn on_blocking_thread<T: Send + 'static>(
         .await
         .map_err(|e| Error::Stopped {
             reason: format!("{what} did not finish: {e}"),
+            after: None,
         })?
 }

@@ -146,6 +146,7 @@ pub(crate) struct Held {
 pub(crate) struct Failure {
     first: Option<Error>,
     reason: Option<String>,
+    kind: Option<&'static str>,
 }
 
 /// One record offered for admission.
@@ -544,6 +545,7 @@ impl Shared {
         if self.failure.reason.is_none() {
             tracing::error!(error = %e, error_kind = e.kind(), "replayguard stopped");
             self.failure.reason = Some(e.to_string());
+            self.failure.kind = Some(e.kind());
             self.failure.first = Some(e);
         }
     }
@@ -559,6 +561,7 @@ impl Shared {
         let reason = self.failure.reason.as_ref()?;
         Some(self.failure.first.take().unwrap_or_else(|| Error::Stopped {
             reason: format!("stopped after an earlier failure: {reason}"),
+            after: self.failure.kind,
         }))
     }
 }

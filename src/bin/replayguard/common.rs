@@ -19,6 +19,10 @@ use crate::cli::GuardArgs;
 pub const RUNTIME: u8 = 1;
 /// Exit status of a usage error.
 pub const USAGE: u8 = 2;
+/// Exit status of a stop because the instance may no longer own its
+/// partitions (a lapsed lease, a lost group session): `EX_TEMPFAIL`, for a
+/// supervisor to start it again.
+pub const FENCED: u8 = 75;
 
 /// Why the command failed: the exit status, the one line to print, and
 /// the kind of failure for JSON logs (the library's [`Error::kind`],
@@ -113,7 +117,12 @@ fn in_flag_terms(msg: &str) -> String {
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         let kind = e.kind();
-        Failure::runtime(e).of_kind(kind)
+        let fenced = e.is_fenced();
+        let mut failure = Failure::runtime(e).of_kind(kind);
+        if fenced {
+            failure.code = FENCED;
+        }
+        failure
     }
 }
 

@@ -3,8 +3,10 @@
 //! want the guarantees without writing Rust.
 //!
 //! Errors are one line on stderr, `replayguard: error: ...`, with exit
-//! status 1 for a runtime failure and 2 for a usage error (clap's own, or a
-//! configuration the library refuses before touching a broker).
+//! status 1 for a runtime failure, 2 for a usage error (clap's own, or a
+//! configuration the library refuses before touching a broker) and 75 for
+//! a stop because the instance may no longer own its partitions (its lease
+//! lapsed or its group session timed out; start it again).
 
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 

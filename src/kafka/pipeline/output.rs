@@ -148,6 +148,7 @@ impl ProducerContext for DeliveryContext {
                 // and before the input's identity was recorded.
                 s.fail(Error::Stopped {
                     reason: format!("injected crash after the ack of {}", t.input()),
+                    after: None,
                 });
             }
             Ok(m) => {

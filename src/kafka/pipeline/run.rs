@@ -294,6 +294,7 @@ impl GuardedPipeline {
                     reason: format!(
                         "injected crash between the outputs of {topic}[{partition}]@{offset}"
                     ),
+                    after: None,
                 }));
             }
         }
@@ -390,6 +391,7 @@ impl GuardedPipeline {
                         "outputs not acked within {:?}; is the broker up?",
                         self.timeout
                     ),
+                    after: None,
                 }));
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
