@@ -151,7 +151,6 @@ impl GuardedConsumerBuilder {
             lease: Lease::new(lease, fenced),
             changelog,
             metadata_taken: Default::default(),
-            held_arrived: Default::default(),
             start_at_end: setup::starts_at_end(&cfg),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
@@ -265,9 +264,16 @@ impl GuardedConsumer {
                 self.core.lock().counters.delivered += 1;
                 return Ok(Some(record));
             }
-            let msg = match tokio::time::timeout(due, self.consumer.recv()).await {
-                Err(_) => continue,
-                Ok(m) => m,
+            // A callback that stopped the guard (a failed recovery on
+            // assign, say) wakes the wait: the next round returns it.
+            let wake = self.core.lock().wake.clone();
+            let msg = tokio::select! {
+                biased;
+                () = wake.notified() => continue,
+                m = tokio::time::timeout(due, self.consumer.recv()) => match m {
+                    Err(_) => continue,
+                    Ok(m) => m,
+                },
             };
             self.read(msg)?;
         }

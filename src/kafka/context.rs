@@ -100,10 +100,6 @@ pub(crate) struct Core {
     /// The longest commit metadata the broker has taken from this run (see
     /// [`Core::commit`]).
     pub metadata_taken: AtomicUsize,
-    /// Signalled when arriving partitions are held: a run loop that waits
-    /// for records (which held partitions do not send) or for its next
-    /// checkpoint learns when to release them.
-    pub held_arrived: tokio::sync::Notify,
     /// `auto.offset.reset` points at a partition's end: where a partition
     /// with no position anywhere starts.
     pub start_at_end: bool,
@@ -580,6 +576,7 @@ impl Core {
             Err(e) => match metadata_too_large(&e, &tpl) {
                 Some(refused) => Err(self.stop(refused)),
                 None => {
+                    metrics::counter!("replayguard_claims_refused_total").increment(1);
                     tracing::warn!(
                         error = %e,
                         partitions = tpl.count(),
@@ -841,7 +838,7 @@ impl Core {
                 });
             }
         }
-        self.held_arrived.notify_one();
+        s.wake.notify_one();
     }
 }
 

@@ -181,6 +181,11 @@ pub(crate) struct Shared {
     /// Scratch space of [`Shared::admit`]'s batched checks.
     probes: Vec<Probe>,
     verdicts: Vec<Verdict>,
+    /// Signalled when a run loop waiting for records (or for its next
+    /// checkpoint) must look again: partitions were held, which send no
+    /// records, and it learns when to release them; or a callback
+    /// (rebalance, delivery, client error) stopped the guard.
+    pub wake: std::sync::Arc<tokio::sync::Notify>,
 }
 
 impl Shared {
@@ -198,6 +203,7 @@ impl Shared {
             held: None,
             watermarks: BTreeMap::new(),
             probes: Vec::new(),
+            wake: Default::default(),
             verdicts: Vec::new(),
         }
     }
@@ -547,6 +553,7 @@ impl Shared {
             self.failure.reason = Some(e.to_string());
             self.failure.kind = Some(e.kind());
             self.failure.first = Some(e);
+            self.wake.notify_one();
         }
     }
 

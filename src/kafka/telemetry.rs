@@ -13,7 +13,8 @@ use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 /// `replayguard_duplicates_total` (label `reason`: `position` or
 /// `content`), `replayguard_outputs_total`,
 /// `replayguard_checkpoints_total`,
-/// `replayguard_reconciled_identities_total`. Gauges:
+/// `replayguard_reconciled_identities_total`,
+/// `replayguard_claims_refused_total`. Gauges:
 /// `replayguard_consumer_lag` (labels `topic`, `partition`),
 /// `replayguard_live_epochs`, `replayguard_live_fingerprints`,
 /// `replayguard_live_offsets`, `replayguard_epoch`,
@@ -98,6 +99,11 @@ pub fn describe_metrics() {
         "Lookups that read the index on disk because its filter let them through (every resend of a hash on disk, and a few fresh records), since the guard opened."
     );
     describe_counter!(
+        "replayguard_claims_refused_total",
+        Unit::Count,
+        "Claims of taken partitions (a commit before their first output) the broker refused: until the next checkpoint commits them, a successor would not wait for this instance's outputs in flight."
+    );
+    describe_counter!(
         "replayguard_disk_hits_total",
         Unit::Count,
         "Of those, the ones that found a live duplicate."
@@ -145,6 +151,7 @@ pub fn describe_metrics() {
         "replayguard_reconciled_identities_total",
         "replayguard_disk_reads_total",
         "replayguard_disk_hits_total",
+        "replayguard_claims_refused_total",
     ] {
         metrics::counter!(name).increment(0);
     }

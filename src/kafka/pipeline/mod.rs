@@ -261,7 +261,6 @@ impl GuardedPipelineBuilder {
             lease: Lease::new(lease, fenced),
             changelog,
             metadata_taken: Default::default(),
-            held_arrived: Default::default(),
             start_at_end: setup::starts_at_end(&consumer_cfg),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(

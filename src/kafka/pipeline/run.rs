@@ -136,6 +136,7 @@ impl GuardedPipeline {
         let mut queue: VecDeque<(Input, OwnedMessage)> = VecDeque::new();
         let mut work = FuturesOrdered::new();
         let mut ending = Ending::No;
+        let wake = self.core.lock().wake.clone();
         loop {
             self.check_failure()?;
             while work.len() < concurrency
@@ -174,9 +175,10 @@ impl GuardedPipeline {
                 }
                 _ = tick.tick() => self.checkpoint(CommitMode::Async).await?,
                 () = release => {}
-                // Partitions held by a rebalance served inside `recv`: the
-                // next round computes when to release them.
-                () = self.core.held_arrived.notified() => {}
+                // Partitions held by a rebalance served inside `recv` (the
+                // next round computes when to release them), or a callback
+                // that stopped the guard (the next round returns it).
+                () = wake.notified() => {}
                 m = self.consumer.recv(), if reading => {
                     if self.read(m, &mut queue, &mut transient)? {
                         ending = Ending::End;
