@@ -130,7 +130,10 @@ pub(crate) fn hint(e: &KafkaError) -> &'static str {
              (45 s by default); wait that long, or leave group.instance.id unset"
         }
         Some(Code::FencedInstanceId) => {
-            "another instance runs with the same group.instance.id; give each its own"
+            "this group.instance.id now belongs to another membership: either another \
+             instance runs with the same one (give each its own), or this instance lost its \
+             group session (frozen or cut off past its session timeout) and rejoined, and \
+             the old membership's requests were fenced (start it again)"
         }
         Some(Code::AutoOffsetReset | Code::OffsetOutOfRange | Code::LogTruncation) => {
             "the position is outside the partition's log (records expired or truncated \
