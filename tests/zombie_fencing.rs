@@ -317,16 +317,7 @@ fn appended_twice(records: &[Record], values: &[u64]) -> (Vec<u64>, usize) {
 
 #[test]
 fn on_kafka_a_pipe_frozen_past_its_session_writes_nothing_its_successor_wrote() -> TestResult {
-    let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
-    old_owner_comes_back(
-        &broker,
-        &broker.bootstrap(),
-        None,
-        Leaving::backlogged(Away::Frozen),
-        true,
-        false,
-    )
-    .map(drop)
+    on_kafka(Leaving::backlogged(Away::Frozen), false)
 }
 
 #[test]
@@ -364,38 +355,13 @@ fn before_its_first_commit(away: Away) -> Leaving {
 #[test]
 fn on_kafka_a_pipe_killed_before_its_first_commit_leaves_nothing_its_successor_writes_again()
 -> TestResult {
-    let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
-    old_owner_comes_back(
-        &broker,
-        &broker.bootstrap(),
-        None,
-        before_its_first_commit(Away::Killed),
-        true,
-        false,
-    )
-    .map(drop)
+    on_kafka(before_its_first_commit(Away::Killed), false)
 }
 
 #[test]
 fn on_kafka_a_pipe_cut_off_before_its_first_commit_writes_nothing_its_successor_wrote() -> TestResult
 {
-    let broker = KafkaBroker::start_with(
-        KafkaOptions {
-            proxied: true,
-            ..KafkaOptions::default()
-        },
-        &[("in", 2), ("out", 2)],
-    )?;
-    let through_proxy = broker.proxied_bootstrap().ok_or("no proxied listener")?;
-    old_owner_comes_back(
-        &broker,
-        &through_proxy,
-        broker.proxy(),
-        before_its_first_commit(Away::CutOff),
-        true,
-        false,
-    )
-    .map(drop)
+    cut_off_on_kafka(before_its_first_commit(Away::CutOff))
 }
 
 /// A dies after its outputs reached the broker and before its inputs were
@@ -562,6 +528,26 @@ fn on_kafka_control_with_fencing_off_a_thawed_pipe_writes_duplicates() -> TestRe
 
 #[test]
 fn on_kafka_a_pipe_cut_off_past_its_session_writes_nothing_its_successor_wrote() -> TestResult {
+    cut_off_on_kafka(Leaving::backlogged(Away::CutOff))
+}
+
+/// A on Kafka, taken away as `leaving` says; fencing on.
+fn on_kafka(leaving: Leaving, kill_successor_while_waiting: bool) -> TestResult {
+    let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
+    old_owner_comes_back(
+        &broker,
+        &broker.bootstrap(),
+        None,
+        leaving,
+        true,
+        kill_successor_while_waiting,
+    )
+    .map(drop)
+}
+
+/// A on Kafka through a proxy that cuts it off as `leaving` says; fencing
+/// on.
+fn cut_off_on_kafka(leaving: Leaving) -> TestResult {
     let broker = KafkaBroker::start_with(
         KafkaOptions {
             proxied: true,
@@ -574,7 +560,7 @@ fn on_kafka_a_pipe_cut_off_past_its_session_writes_nothing_its_successor_wrote()
         &broker,
         &through_proxy,
         broker.proxy(),
-        Leaving::backlogged(Away::CutOff),
+        leaving,
         true,
         false,
     )
@@ -583,16 +569,7 @@ fn on_kafka_a_pipe_cut_off_past_its_session_writes_nothing_its_successor_wrote()
 
 #[test]
 fn on_kafka_the_new_owner_killed_during_its_wait_still_copies_each_once() -> TestResult {
-    let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
-    old_owner_comes_back(
-        &broker,
-        &broker.bootstrap(),
-        None,
-        Leaving::backlogged(Away::Frozen),
-        true,
-        true,
-    )
-    .map(drop)
+    on_kafka(Leaving::backlogged(Away::Frozen), true)
 }
 
 #[test]
