@@ -504,8 +504,8 @@ impl Core {
     /// from. Without the claim the group would still hold the previous
     /// owner's clean handover, or nothing, until this instance's first
     /// checkpoint; a successor that took the partitions from this instance,
-    /// frozen or cut off before then, would not wait for its outputs in
-    /// flight. A claim the broker refuses leaves that gap open until the
+    /// frozen, cut off or killed before then, would neither wait for its
+    /// outputs in flight nor read back those it wrote. A claim the broker refuses leaves that gap open until the
     /// first checkpoint, and says so in the log; one refused as too large
     /// stops the pipeline, as every later commit would be.
     fn claim(
@@ -528,16 +528,19 @@ impl Core {
             // the claim names the same, so that a successor reads at least
             // as much. After reconciliation the sink knows every output
             // partition.
-            let mut ends: BTreeMap<i32, i64> = sink.ends.keys().map(|p| (*p, 0)).collect();
-            for (p, from) in &mut ends {
-                *from = manifest
-                    .into_iter()
-                    .chain(commits)
-                    .filter(|source| source.topic == sink.topic)
-                    .filter_map(|source| source.ends.get(p).copied())
-                    .min()
-                    .unwrap_or(0);
-            }
+            let ends: BTreeMap<i32, i64> = sink
+                .ends
+                .keys()
+                .map(|p| {
+                    let from = manifest
+                        .into_iter()
+                        .chain(commits)
+                        .filter(|source| source.topic == sink.topic)
+                        .filter_map(|source| source.ends.get(p).copied())
+                        .min();
+                    (*p, from.unwrap_or(0))
+                })
+                .collect();
             SinkPositions {
                 topic: sink.topic.clone(),
                 ends,
@@ -580,7 +583,7 @@ impl Core {
                     tracing::warn!(
                         error = %e,
                         partitions = tpl.count(),
-                        "claiming arriving partitions failed: until this instance's first checkpoint commits them, a successor that takes them while this instance is frozen or cut off does not wait for its outputs in flight"
+                        "claiming arriving partitions failed: until this instance's first checkpoint commits them, a successor that takes them over (this instance frozen, cut off or killed) neither waits for its outputs in flight nor reads back those it wrote"
                     );
                     Ok(())
                 }
