@@ -56,8 +56,8 @@ use rand::seq::SliceRandom;
 use replayguard_testkit::{
     Broker, Ends, FIRST_OUTPUT_LIMIT, Feeder, Frozen, KafkaBroker, MockBroker, Proc, PyClient,
     ReadOptions, Record, TansuBroker, TestResult, check_each_once, check_increasing, error_line,
-    integers, lines_of, outcome, produce_integers, read_topic, read_topic_with, run_restarted,
-    seeded, sleep_watching, stopped_fenced,
+    first_failure_fenced, integers, lines_of, outcome, produce_integers, read_topic,
+    read_topic_with, run_restarted, seeded, sleep_watching, stopped_fenced,
 };
 
 /// How long a final `--stop-at-end` run may take (group join, recovery,
@@ -1347,14 +1347,6 @@ fn on_kafka_pipe_through_a_broker_killed_and_restarted_copies_each_integer_once(
 /// stopped it (the first the log names) was a lapsed group session or
 /// lease, as a broker away for long can cause, else 1.
 fn stopped_with_an_error(status: std::process::ExitStatus, log: &std::path::Path) -> bool {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let fenced = text
-        .lines()
-        .find(|l| l.contains("replayguard stopped"))
-        .is_some_and(|l| {
-            l.contains("error_kind=\"assignment_lost\"")
-                || l.contains("error_kind=\"lease_lapsed\"")
-        });
-    let expected = if fenced { 75 } else { 1 };
+    let expected = if first_failure_fenced(log) { 75 } else { 1 };
     status.code() == Some(expected) && !error_line(log).is_empty()
 }

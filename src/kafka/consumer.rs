@@ -159,6 +159,7 @@ impl GuardedConsumerBuilder {
         );
         consumer.subscribe(&topics).map_err(kafka("subscribing"))?;
         let watchdog = core.lease.watch();
+        let wake = core.lock().wake.clone();
         Ok(GuardedConsumer {
             consumer,
             _watchdog: watchdog,
@@ -170,6 +171,7 @@ impl GuardedConsumerBuilder {
             transient: Mutex::default(),
             ended: AtomicBool::new(false),
             ready: Mutex::default(),
+            wake,
         })
     }
 }
@@ -201,6 +203,9 @@ pub struct GuardedConsumer {
     ended: AtomicBool,
     /// Records admitted in a batch, not yet handed out.
     ready: Mutex<VecDeque<GuardedRecord>>,
+    /// The core's wake-up (see `Shared::wake`), kept so that a wait for
+    /// records need not lock the core to listen.
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl GuardedConsumer {
@@ -266,10 +271,9 @@ impl GuardedConsumer {
             }
             // A callback that stopped the guard (a failed recovery on
             // assign, say) wakes the wait: the next round returns it.
-            let wake = self.core.lock().wake.clone();
             let msg = tokio::select! {
                 biased;
-                () = wake.notified() => continue,
+                () = self.wake.notified() => continue,
                 m = tokio::time::timeout(due, self.consumer.recv()) => match m {
                     Err(_) => continue,
                     Ok(m) => m,

@@ -364,35 +364,26 @@ impl Core {
         self.hooks
             .reconcile(self, held.manifest.as_ref(), &held.commits)?;
         let starts: Vec<(String, i32, Option<i64>)> = {
-            let s = self.lock();
-            held.partitions
-                .iter()
-                .map(|(t, p)| {
-                    let next = s
-                        .tracks
-                        .get(t)
-                        .and_then(|m| m.get(p))
-                        .and_then(|tr| tr.next);
-                    (t.clone(), *p, next)
-                })
-                .collect()
-        };
-        self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)?;
-        let mut tpl = TopicPartitionList::new();
-        {
             let mut s = self.lock();
+            let mut starts = Vec::with_capacity(held.partitions.len());
             for (t, p) in &held.partitions {
-                if let Some(next) = s
+                let next = s
                     .tracks
                     .get(t)
                     .and_then(|m| m.get(p))
-                    .and_then(|tr| tr.next)
-                {
-                    tpl.add_partition_offset(t, *p, Offset::Offset(next))
-                        .map_err(kafka("building the list to resume"))?;
-                }
+                    .and_then(|tr| tr.next);
+                starts.push((t.clone(), *p, next));
                 // Its records skipped while held are read again.
                 s.at_eof.remove(p);
+            }
+            starts
+        };
+        self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)?;
+        let mut tpl = TopicPartitionList::new();
+        for (t, p, next) in &starts {
+            if let Some(next) = next {
+                tpl.add_partition_offset(t, *p, Offset::Offset(*next))
+                    .map_err(kafka("building the list to resume"))?;
             }
         }
         if tpl.count() > 0 {
@@ -505,9 +496,10 @@ impl Core {
     /// owner's clean handover, or nothing, until this instance's first
     /// checkpoint; a successor that took the partitions from this instance,
     /// frozen, cut off or killed before then, would neither wait for its
-    /// outputs in flight nor read back those it wrote. A claim the broker refuses leaves that gap open until the
-    /// first checkpoint, and says so in the log; one refused as too large
-    /// stops the pipeline, as every later commit would be.
+    /// outputs in flight nor read back those it wrote. A claim the broker
+    /// refuses leaves that gap open until the first checkpoint, and says
+    /// so in the log; one refused as too large stops the pipeline, as
+    /// every later commit would be.
     fn claim(
         &self,
         consumer: &impl Consumer<GuardContext>,
@@ -550,11 +542,8 @@ impl Core {
                 changelog: BTreeMap::new(),
             }
         };
-        let meta = serde_json::to_string(&meta).map_err(|source| Error::Encode {
-            what: "the sink positions",
-            source,
-        })?;
-        let mut tpl = TopicPartitionList::new();
+        let meta = meta.encode()?;
+        let mut positions = Vec::with_capacity(starts.len());
         for (topic, p, start) in starts {
             let offset = match start {
                 Some(o) => *o,
@@ -565,11 +554,9 @@ impl Core {
                     if self.start_at_end { high } else { low }
                 }
             };
-            let mut e = tpl.add_partition(topic, *p);
-            e.set_offset(Offset::Offset(offset))
-                .map_err(kafka("setting a claim's offset"))?;
-            e.set_metadata(&meta);
+            positions.push((topic.clone(), *p, offset));
         }
+        let tpl = commit_list(&positions, &meta)?;
         match consumer.commit(&tpl, CommitMode::Sync) {
             Ok(()) => {
                 self.metadata_taken.fetch_max(meta.len(), Ordering::Relaxed);

@@ -81,6 +81,16 @@ pub(crate) struct SinkPositions {
     pub changelog: BTreeMap<i32, i64>,
 }
 
+impl SinkPositions {
+    /// As commit metadata and in the manifest: JSON.
+    pub fn encode(&self) -> Result<String> {
+        serde_json::to_string(self).map_err(|source| Error::Encode {
+            what: "the sink positions",
+            source,
+        })
+    }
+}
+
 /// The sink positions a run starts with: those of the folder's last
 /// checkpoint, when it wrote to `output` (`""` for a guarded consumer,
 /// which keeps only the changelog's), and this instance's token.
@@ -537,10 +547,7 @@ impl Shared {
         match self.sink.as_mut() {
             Some(sink) => {
                 sink.clean = clean;
-                serde_json::to_string(sink).map_err(|source| Error::Encode {
-                    what: "the sink positions",
-                    source,
-                })
+                sink.encode()
             }
             None => Ok(String::new()),
         }

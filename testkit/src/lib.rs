@@ -60,8 +60,9 @@ pub use read::{
     read_all, read_topic, read_topic_with,
 };
 pub use run::{
-    Ends, FEED_CAP, FIRST_OUTPUT_LIMIT, Feeder, Proc, clone_command, error_line, outcome,
-    replayguard_bin, run_restarted, seeded, sleep_watching, stopped_fenced,
+    Ends, FEED_CAP, FIRST_OUTPUT_LIMIT, Feeder, Proc, clone_command, error_line,
+    first_failure_fenced, outcome, replayguard_bin, run_restarted, seeded, sleep_watching,
+    stopped_fenced,
 };
 pub use tansu::TansuBroker;
 

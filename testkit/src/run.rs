@@ -402,10 +402,22 @@ pub fn error_line(log: &Path) -> String {
 /// heartbeat for the whole session timeout. Such a run says to start it
 /// again.
 pub fn stopped_fenced(log: &Path) -> bool {
+    std::fs::read_to_string(log).is_ok_and(|text| names_a_fenced_kind(&text))
+}
+
+/// Whether the failure that first stopped the run that logged into `log`
+/// (its `replayguard stopped` line) was a lapsed group session or lease:
+/// the command line then exits 75.
+pub fn first_failure_fenced(log: &Path) -> bool {
     std::fs::read_to_string(log).is_ok_and(|text| {
-        text.contains("error_kind=\"assignment_lost\"")
-            || text.contains("error_kind=\"lease_lapsed\"")
+        text.lines()
+            .find(|l| l.contains("replayguard stopped"))
+            .is_some_and(names_a_fenced_kind)
     })
+}
+
+fn names_a_fenced_kind(text: &str) -> bool {
+    text.contains("error_kind=\"assignment_lost\"") || text.contains("error_kind=\"lease_lapsed\"")
 }
 
 /// Runs of [`run_restarted`] at the most.
