@@ -953,7 +953,7 @@ fn pipe_through_a_frozen_broker(broker: &dyn Broker) -> TestResult {
                 Some(status) if killed => format!("killed while frozen ({status})"),
                 Some(status) => {
                     let line = error_line(&p.log);
-                    if !stopped_with_an_error(status, &p.log) {
+                    if !stopped_with_an_error(status, &p.log, &line) {
                         return Err(format!(
                             "after a {secs} s freeze the pipe exited with {status} without \
                              an error line and its status; stderr:\n{}",
@@ -1282,7 +1282,7 @@ fn on_kafka_pipe_through_a_broker_killed_and_restarted_copies_each_integer_once(
             let outcome = match p.exited()? {
                 Some(status) => {
                     let line = error_line(&p.log);
-                    if !stopped_with_an_error(status, &p.log) {
+                    if !stopped_with_an_error(status, &p.log, &line) {
                         return Err(format!(
                             "with the broker down {secs} s the pipe exited with {status} \
                              without an error line and its status; stderr:\n{}",
@@ -1343,10 +1343,15 @@ fn on_kafka_pipe_through_a_broker_killed_and_restarted_copies_each_integer_once(
 }
 
 /// Whether a run that exited by itself stopped as the command line says it
-/// should: with its error line, and with status 75 when the failure that
-/// stopped it (the first the log names) was a lapsed group session or
-/// lease, as a broker away for long can cause, else 1.
-fn stopped_with_an_error(status: std::process::ExitStatus, log: &std::path::Path) -> bool {
+/// should: with its error line (`line`, read from `log` by the caller),
+/// and with status 75 when the failure that stopped it (the first the log
+/// names) was a lapsed group session or lease, as a broker away for long
+/// can cause, else 1.
+fn stopped_with_an_error(
+    status: std::process::ExitStatus,
+    log: &std::path::Path,
+    line: &str,
+) -> bool {
     let expected = if first_failure_fenced(log) { 75 } else { 1 };
-    status.code() == Some(expected) && !error_line(log).is_empty()
+    status.code() == Some(expected) && !line.is_empty()
 }
