@@ -7,7 +7,7 @@
 //! 1,000,000; the targets are stated for 10,000,000, and the
 //! disk tier's for 100,000,000). `REPLAYGUARD_BENCH_ONLY` runs only the
 //! named groups (comma-separated: `check`, `epochs`, `record`, `disk`,
-//! `memory`).
+//! `memory`, `machine`).
 //!
 //! - `check`: `Guard::check` and `Guard::check_many` (batched) against N
 //!   fingerprints, in the open table and sealed.
@@ -26,6 +26,12 @@
 //! - `disk`: N fingerprints in 10 epochs with a memory budget of 0, so the
 //!   9 sealed ones are on disk: memory per fingerprint (estimate,
 //!   allocator and the process's resident set), and checks.
+//! - `machine`: what this machine's memory gives one core, with no index
+//!   in the way: reads of one random cache line each, out of 192 MiB (the
+//!   size of a 10M sealed table's slots), fetched 16 ahead as the batched
+//!   checks do, and one after another where each read gives the next
+//!   address (the latency). A check's rate is bounded by the lines it
+//!   reads times this rate; BENCHMARKS.md says which.
 //!
 //! Times are the benchmarking thread's CPU time, not wall time: the target
 //! is per core, and on a shared 2-core machine wall time also counts the
@@ -803,9 +809,90 @@ fn disk(c: &mut Criterion<ThreadCpu>) {
     );
 }
 
+/// A 192 MiB array of cache lines (backed by 2 MiB pages where the kernel
+/// allows, as the sealed table is), and 2,000,000 random line numbers.
+struct Lines {
+    lines: Vec<[u64; 8]>,
+    order: Vec<u32>,
+}
+
+impl Lines {
+    fn new() -> Self {
+        const BYTES: usize = 192 << 20;
+        let count = BYTES / 64;
+        let mut lines: Vec<[u64; 8]> = Vec::with_capacity(count);
+        #[cfg(target_os = "linux")]
+        // SAFETY: advice on pages inside the allocation just made, before
+        // any is touched; it changes how they are backed, never their
+        // contents.
+        unsafe {
+            libc::madvise(lines.as_mut_ptr().cast(), count * 64, libc::MADV_HUGEPAGE);
+        }
+        // A random cycle through every line: line `i` holds the next.
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |bound: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % bound as u64) as usize
+        };
+        let mut perm: Vec<u32> = (0..count as u32).collect();
+        for i in (1..count).rev() {
+            perm.swap(i, next(i + 1));
+        }
+        lines.resize(count, [0; 8]);
+        for w in 0..count {
+            lines[perm[w] as usize][0] = u64::from(perm[(w + 1) % count]);
+        }
+        let order = (0..2_000_000).map(|_| next(count) as u32).collect();
+        Lines { lines, order }
+    }
+}
+
+fn machine(c: &mut Criterion<ThreadCpu>) {
+    if !wanted("machine") {
+        return;
+    }
+    let m = Lines::new();
+    let mut group = quick_group(c, "machine/192MiB");
+    let ahead = 16;
+    let mut at = 0;
+    group.bench_function("random-line/prefetched", |b| {
+        b.iter(|| {
+            if at + BATCH + ahead > m.order.len() {
+                at = 0;
+            }
+            let mut sum = 0u64;
+            for i in at..at + BATCH {
+                let far = &m.lines[m.order[i + ahead] as usize];
+                // SAFETY: a hint; SSE is part of x86_64.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                        far.as_ptr().cast(),
+                    );
+                }
+                sum = sum.wrapping_add(m.lines[m.order[i] as usize][0]);
+            }
+            at += BATCH;
+            black_box(sum)
+        })
+    });
+    let mut line = 0usize;
+    group.bench_function("chase", |b| {
+        b.iter(|| {
+            for _ in 0..BATCH {
+                line = m.lines[line][0] as usize;
+            }
+            black_box(line)
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().with_measurement(ThreadCpu(WallTime));
-    targets = check, epochs, record, disk, memory
+    targets = check, epochs, record, disk, memory, machine
 }
 criterion_main!(benches);
