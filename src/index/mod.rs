@@ -7,9 +7,7 @@
 //!   epoch. Sealing an epoch costs nothing; dropping one only raises the
 //!   lane's floor, below which entries no longer answer. An insert takes
 //!   the slot of the first such entry its shift meets, and the table is
-//!   purged in one in-place pass once a quarter of it is below the floor,
-//!   or when it would grow while a sixteenth of it is: a rolling window
-//!   keeps one size, a little past full load.
+//!   purged in one in-place pass once a quarter of it is below the floor.
 //! - **Offsets and user ids** of the open epoch are in its own roaring
 //!   bitmaps; those of all sealed epochs are also in one union per lane,
 //!   so a record that none of them holds is answered by two bitmap
@@ -28,7 +26,7 @@ use std::collections::VecDeque;
 use roaring::RoaringTreemap;
 
 pub use bloom::DiskFilter;
-pub use table::{FpTable, Insert, PURGE_SHARE, TAG_SPAN, key_of, tag_of, tagged};
+pub use table::{FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
 
 use crate::fingerprint::Fingerprint;
 
@@ -353,17 +351,6 @@ impl LaneIndex {
         let open = self.open;
         let sealed = epoch < open;
         if let Some(Fingerprint::Hash(h)) = fp {
-            // A table that would grow while a sixteenth of it is dropped
-            // is purged instead: the same pass, without the growth. Purges
-            // leave room for an eighth, which inserts fill only as far as
-            // they do not reuse dropped slots, so at full load about an
-            // eighth is dropped, give or take the open epoch.
-            if self.below_floor > 0
-                && self.below_floor * 2 * PURGE_SHARE as u64 >= self.hashes.len() as u64
-                && self.hashes.grows_on_insert()
-            {
-                self.purge();
-            }
             let dead = |tag: u32| {
                 let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
                 open.wrapping_sub(back) < floor
@@ -545,8 +532,7 @@ impl LaneIndex {
 
     /// Drops every epoch older than `oldest_live`, whole: the cost is that
     /// of the dropped epochs' bitmaps, not of the live ones. The table is
-    /// purged once a quarter of it is below the floor (or, by `insert`, when
-    /// it would grow while a sixteenth of it is), or when its oldest
+    /// purged once a quarter of it is below the floor, or when its oldest
     /// tags would soon be ambiguous.
     pub fn drop_before(&mut self, oldest_live: u64) {
         while self.epochs.front().is_some_and(|e| e.epoch < oldest_live) {

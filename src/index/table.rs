@@ -15,9 +15,6 @@ const KEY_MASK: u128 = !TAG_MASK;
 
 /// Load, in percent of the home slots, above which the table grows.
 const MAX_LOAD_PCT: usize = 85;
-/// A table that would grow while at least this share of its entries
-/// (one in `PURGE_SHARE`) belong to dropped epochs is purged instead.
-pub const PURGE_SHARE: usize = 8;
 /// Load at which a table is laid out after a purge or a bulk load. Probes
 /// get slower quickly above it (measured at 10M: about 60 ns at 80%,
 /// 140 ns at 92%).
@@ -329,14 +326,6 @@ impl FpTable {
         self.insert_with::<true>(h, tag, dead)
     }
 
-    /// Whether the next insert of a new hash makes the table grow (entries
-    /// of dropped epochs count until a purge).
-    #[inline]
-    #[must_use]
-    pub fn grows_on_insert(&self) -> bool {
-        (self.len + 1) * 100 > self.homes * MAX_LOAD_PCT
-    }
-
     #[inline]
     fn insert_with<const REUSE: bool>(
         &mut self,
@@ -359,7 +348,7 @@ impl FpTable {
                 }
             };
         }
-        if self.grows_on_insert() {
+        if (self.len + 1) * 100 > self.homes * MAX_LOAD_PCT {
             let grown = if self.homes < 4096 {
                 (self.homes * 2).max(16)
             } else {
@@ -500,12 +489,10 @@ impl FpTable {
         }
         // Purges come while the open epoch takes inserts. Laid out exactly
         // packed full, the table would grow again at its next insert, a
-        // second pass over it. It gets the room to take inserts until
-        // entries of dropped epochs make `1 / PURGE_SHARE` of it at full
-        // load, when its owner purges it again instead of growing it: a
-        // rolling window then keeps one size.
-        let roomy = kept * 100 / MAX_LOAD_PCT * PURGE_SHARE / (PURGE_SHARE - 1) + 1;
-        if roomy * 16 < self.homes * 15 {
+        // second pass over it; it gets the room of one growth step instead.
+        let packed = kept * 100 / PACKED_LOAD_PCT + 1;
+        let roomy = packed + packed / 5;
+        if roomy * 4 < self.homes * 3 {
             self.grow(roomy);
         } else {
             self.refill();

@@ -105,51 +105,6 @@ fn many_epochs_answer_like_one() {
 }
 
 #[test]
-fn a_rolling_window_keeps_one_size() {
-    // 60 epochs of 10,000 hashes, 8 live at a time: each checkpoint drops
-    // the oldest. Once the window has filled, the table must not grow, and
-    // must stay within the room a purge leaves (an eighth or so past full
-    // load, plus the open epoch's share); a table that grew instead of
-    // purging would hold half again as many slots.
-    const EPOCH: u64 = 10_000;
-    const LIVE: u64 = 8;
-    let mut lane = LaneIndex::new(0, 0, 0);
-    let mut settled = None;
-    for e in 0..60u64 {
-        for k in 0..EPOCH {
-            let i = e * EPOCH + k;
-            lane.insert(e, Some(i), Some(hash(i)));
-        }
-        lane.close(e + 1);
-        lane.drop_before((e + 1).saturating_sub(LIVE - 1));
-        let live = lane.live_fingerprints();
-        let bytes = lane.hashes.memory_bytes();
-        if e >= 2 * LIVE {
-            let per = bytes as f64 / live as f64;
-            // 16 B a slot and 0.75 B of filter a home, at 85% load, with
-            // the room of one purge and of the open epoch on top.
-            let share = PURGE_SHARE as f64;
-            let bound = 16.75 / 0.85 * share / (share - 1.0) * (1.0 + 1.0 / LIVE as f64);
-            assert!(
-                per <= bound,
-                "epoch {e}: {per:.2} B a hash, bound {bound:.2}"
-            );
-            let first = *settled.get_or_insert(bytes);
-            assert!(
-                bytes <= first,
-                "epoch {e}: the table grew from {first} to {bytes} B"
-            );
-        }
-        // Every live hash answers with its epoch, and no dropped one does.
-        let oldest = (e + 1).saturating_sub(LIVE - 1);
-        for i in (e.saturating_sub(LIVE) * EPOCH..(e + 1) * EPOCH).step_by(97) {
-            let want = (i / EPOCH >= oldest).then_some((Reason::SameContent, i / EPOCH));
-            assert_eq!(found(&lane, None, Some(hash(i))), want, "{i} in epoch {e}");
-        }
-    }
-}
-
-#[test]
 fn newer_content_beats_older_position() {
     let mut lane = LaneIndex::new(0, 0, 0);
     lane.insert(0, Some(5), Some(hash(5)));
