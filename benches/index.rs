@@ -822,11 +822,16 @@ impl Lines {
         let count = BYTES / 64;
         let mut lines: Vec<[u64; 8]> = Vec::with_capacity(count);
         #[cfg(target_os = "linux")]
-        // SAFETY: advice on pages inside the allocation just made, before
-        // any is touched; it changes how they are backed, never their
-        // contents.
-        unsafe {
-            libc::madvise(lines.as_mut_ptr().cast(), count * 64, libc::MADV_HUGEPAGE);
+        {
+            // The 2 MiB pages wholly inside the allocation just made.
+            const HUGE: usize = 2 << 20;
+            let start = lines.as_mut_ptr() as usize;
+            let (from, to) = (start.div_ceil(HUGE) * HUGE, (start + BYTES) / HUGE * HUGE);
+            // SAFETY: advice on pages inside the allocation, before any is
+            // touched; it changes how they are backed, never their contents.
+            unsafe {
+                libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
+            }
         }
         // A random cycle through every line: line `i` holds the next.
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
