@@ -43,6 +43,10 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
+#[path = "shared/feed.rs"]
+mod feed;
+use feed::{fp, thread_cpu_now};
+
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use replayguard::{Fingerprint, Guard, LaneId, Probe, Verdict};
@@ -98,18 +102,6 @@ static ALLOC: Counting = Counting;
 /// CPU time of the calling thread.
 struct ThreadCpu(WallTime);
 
-fn thread_cpu_now() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; the clock id is a
-    // constant the kernel knows.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime failed");
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
 impl Measurement for ThreadCpu {
     type Intermediate = Duration;
     type Value = Duration;
@@ -144,10 +136,6 @@ fn n() -> u64 {
         .ok()
         .and_then(|v| v.replace('_', "").parse().ok())
         .unwrap_or(1_000_000)
-}
-
-fn fp(i: u64) -> Fingerprint {
-    Fingerprint::content(None, Some(&i.to_le_bytes()))
 }
 
 /// A guard holding `n` records in one lane: offsets `0..n`, content

@@ -11,26 +11,16 @@
 
 use std::time::{Duration, Instant};
 
-use replayguard::{Fingerprint, Guard, Probe, Verdict};
+use replayguard::{Guard, Probe, Verdict};
+
+#[path = "shared/feed.rs"]
+mod feed;
+use feed::{fp, thread_cpu_now};
 
 const EPOCH: u64 = 200_000;
 const CALL: u64 = 10_000;
 const CHECKPOINTS: u64 = 60;
 const SETTLED: u64 = 20;
-
-fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for the call to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
-fn fp(i: u64) -> Fingerprint {
-    Fingerprint::content(None, Some(&i.to_le_bytes()))
-}
 
 /// Wall times and the thread's CPU time of one kind of call.
 #[derive(Default)]
@@ -41,9 +31,9 @@ struct Calls {
 
 impl Calls {
     fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
-        let (wall, cpu) = (Instant::now(), thread_cpu());
+        let (wall, cpu) = (Instant::now(), thread_cpu_now());
         let out = f();
-        self.cpu += thread_cpu() - cpu;
+        self.cpu += thread_cpu_now() - cpu;
         self.wall_ms.push(wall.elapsed().as_secs_f64() * 1e3);
         out
     }
