@@ -1179,6 +1179,76 @@ fn batched_calls_answer_like_single_ones() -> Result<()> {
     Ok(())
 }
 
+/// Checks in batches answer as one check at a time, with epochs in memory
+/// and on disk, content hashes and ids, with and without offsets, over two
+/// lanes, and batches longer and shorter than the fetch distances.
+#[test]
+fn batched_checks_answer_like_single_ones_in_memory_and_on_disk() -> Result<()> {
+    for budget in [None, Some(0)] {
+        let dir = tempfile::tempdir()?;
+        let mut g = Guard::builder(dir.path())
+            .retention_epochs(5)
+            .max_memory_bytes(budget)
+            .open()?;
+        let lanes = [g.lane("t", 0), g.lane("t", 1)];
+        let fp = |i: u64| {
+            if i % 4 == 3 {
+                Fingerprint::id(i)
+            } else {
+                hash(i)
+            }
+        };
+        // Three sealed epochs and an open one, each of 500 records a lane.
+        for e in 0..4u64 {
+            for i in e * 500..(e + 1) * 500 {
+                for &l in &lanes {
+                    assert!(g.record(l, Some(i), Some(fp(i)))?.is_fresh());
+                }
+            }
+            if e < 3 {
+                g.checkpoint(
+                    &[(lanes[0], (e + 1) * 500), (lanes[1], (e + 1) * 500)],
+                    Vec::new(),
+                )?;
+            }
+        }
+        assert_eq!(g.stats().disk_fingerprints > 0, budget.is_some());
+        // Probes: held and fresh content, held and fresh offsets, none.
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let probes: Vec<Probe> = (0..3_000u64)
+            .map(|k| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let i = x % 4_000;
+                let offset = match k % 3 {
+                    0 => None,
+                    1 => Some(i),
+                    _ => Some(10_000 + k),
+                };
+                let content = (k % 5 != 4).then(|| fp(i));
+                Probe::new(lanes[(x >> 40) as usize % 2], offset, content)
+            })
+            .collect();
+        let mut verdicts = Vec::new();
+        for len in [0, 1, 11, 12, 13, 33, 64, 65, 3_000] {
+            let batch = &probes[..len];
+            g.check_many(batch, &mut verdicts)?;
+            let mut want = Vec::new();
+            for p in batch {
+                want.push(g.check(p.lane, p.offset, p.fp)?);
+            }
+            assert_eq!(verdicts, want, "budget {budget:?}, {len} probes");
+        }
+        let fresh = verdicts.iter().filter(|v| v.is_fresh()).count();
+        assert!((500..2_500).contains(&fresh), "{fresh} fresh of 3000");
+        if budget.is_some() {
+            assert!(g.stats().disk_hits > 100, "{:?}", g.stats());
+        }
+    }
+    Ok(())
+}
+
 mod journal {
     use super::super::*;
     use crate::changelog::{Shipment, Shipped};

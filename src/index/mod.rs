@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use roaring::RoaringTreemap;
 
 pub use bloom::DiskFilter;
-pub use table::{FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
+pub use table::{Aim, FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
 
 use crate::fingerprint::Fingerprint;
 
@@ -267,19 +267,42 @@ impl LaneIndex {
     /// The epoch of the hash in memory, if it is there and at or above the
     /// floor.
     #[inline]
-    fn hash_epoch(&self, h: u128) -> Option<u64> {
-        let e = self.epoch_of(self.hashes.get(h)?);
+    fn hash_epoch(&self, h: u128, aim: Option<&Aim>) -> Option<u64> {
+        let tag = match aim {
+            Some(a) => self.hashes.get_aimed(a),
+            None => self.hashes.get(h),
+        };
+        let e = self.epoch_of(tag?);
         (e >= self.floor).then_some(e)
     }
 
     /// Looks a record up in every live epoch.
     #[must_use]
     pub fn lookup(&self, offset: Option<u64>, fp: Option<Fingerprint>) -> Lookup {
+        self.lookup_with(offset, fp, None)
+    }
+
+    /// [`LaneIndex::lookup`] with the hash's [`Aim`] in the table worked
+    /// out and screened ahead, by [`LaneIndex::aim`] and
+    /// [`LaneIndex::screen`], while the index did not change.
+    #[inline]
+    #[must_use]
+    pub fn lookup_aimed(&self, offset: Option<u64>, fp: Option<Fingerprint>, aim: &Aim) -> Lookup {
+        self.lookup_with(offset, fp, Some(aim))
+    }
+
+    #[inline]
+    fn lookup_with(
+        &self,
+        offset: Option<u64>,
+        fp: Option<Fingerprint>,
+        aim: Option<&Aim>,
+    ) -> Lookup {
         let position = offset.and_then(|o| self.position(o));
         let content = match fp {
             None => None,
             Some(Fingerprint::Id(id)) => self.id_epoch(id),
-            Some(Fingerprint::Hash(h)) => match self.hash_epoch(h) {
+            Some(Fingerprint::Hash(h)) => match self.hash_epoch(h, aim) {
                 Some(e) => Some(e),
                 None => {
                     // Anything on disk is older than the floor, so older
@@ -309,7 +332,7 @@ impl LaneIndex {
         epoch >= self.oldest && epoch <= self.open
     }
 
-    /// First stage of a batched lookup: fetches the filter words the
+    /// First stage of a batched record: fetches the filter words the
     /// lookup of `fp` will read.
     #[inline]
     pub fn prefetch_filters(&self, fp: Option<Fingerprint>) {
@@ -321,17 +344,29 @@ impl LaneIndex {
         }
     }
 
-    /// Second stage of a batched lookup: once the filter word is in the
-    /// cache, fetches the slots it lets through to, three lines of them: a
-    /// hash past the second line would otherwise be a cache miss the
-    /// lookup waits for (sealed hits at 10M: 10.8 to 11.8M/s, BENCHMARKS.md).
+    /// First stage of a batched check: the filter word and bits of a
+    /// hash in the table, its word fetched, and the disk filter's block.
     #[inline]
-    pub fn prefetch_slots(&self, fp: Option<Fingerprint>) {
-        if let Some(Fingerprint::Hash(h)) = fp
-            && self.hashes.may_hold(h)
-        {
-            self.hashes.prefetch_slot(h, 3);
+    #[must_use]
+    pub fn aim(&self, fp: Option<Fingerprint>) -> Aim {
+        match fp {
+            Some(Fingerprint::Hash(h)) => {
+                if let Some(f) = &self.disk.filter {
+                    f.prefetch(h);
+                }
+                self.hashes.aim(h)
+            }
+            _ => Aim::default(),
         }
+    }
+
+    /// Second stage of a batched check: tests the aim's filter word and,
+    /// past it, fetches three slot lines: a hash past the second line would
+    /// otherwise be a cache miss the lookup waits for (sealed hits at 10M:
+    /// 1.09 to 1.12 times the rate with two lines, BENCHMARKS.md).
+    #[inline]
+    pub fn screen(&self, aim: &mut Aim) {
+        self.hashes.screen(aim, 3);
     }
 
     /// Second stage of a batched record: fetches the slot the insert of

@@ -238,6 +238,18 @@ pub fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// A hash's filter word and bits in one table, worked out once for a
+/// batched check: its stages (fetch the word, test it and fetch the slots,
+/// look up) then share them. Valid while the table is not changed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Aim {
+    key: u128,
+    word: usize,
+    bits: u64,
+    /// Whether the filter lets the hash through, once tested.
+    pass: bool,
+}
+
 /// What an insert found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Insert {
@@ -266,18 +278,6 @@ impl FpTable {
         self.scan(key)
     }
 
-    /// Whether the filter lets `h` through (a lookup would read slots).
-    #[inline]
-    #[must_use]
-    pub fn may_hold(&self, h: u128) -> bool {
-        let key = key_of(h);
-        if key == 0 {
-            return self.zero.is_some();
-        }
-        let (word, bits) = filter_bits(key, self.filter.len());
-        self.filter.get(word).is_some_and(|w| w & bits == bits)
-    }
-
     /// The slot scan of [`FpTable::get`], past the filter.
     #[inline]
     fn scan(&self, key: u128) -> Option<u32> {
@@ -288,6 +288,52 @@ impl FpTable {
             }
         }
         None
+    }
+
+    /// The filter word and bits of `h`, with its filter word fetched.
+    #[inline]
+    pub fn aim(&self, h: u128) -> Aim {
+        let key = key_of(h);
+        let (word, bits) = filter_bits(key, self.filter.len());
+        if let Some(w) = self.filter.get(word) {
+            prefetch(w);
+        }
+        Aim {
+            key,
+            word,
+            bits,
+            pass: false,
+        }
+    }
+
+    /// Tests an aim's filter word (fetched by [`FpTable::aim`]) and, if it
+    /// lets the hash through, fetches `lines` slot lines from its home on.
+    #[inline]
+    pub fn screen(&self, a: &mut Aim, lines: usize) {
+        a.pass = if a.key == 0 {
+            self.zero.is_some()
+        } else {
+            self.filter
+                .get(a.word)
+                .is_some_and(|w| w & a.bits == a.bits)
+        };
+        if a.pass {
+            self.prefetch_slot(a.key, lines);
+        }
+    }
+
+    /// [`FpTable::get`] for a screened aim: nothing is read again when the
+    /// filter said no.
+    #[inline]
+    #[must_use]
+    pub fn get_aimed(&self, a: &Aim) -> Option<u32> {
+        if !a.pass {
+            return None;
+        }
+        if a.key == 0 {
+            return self.zero;
+        }
+        self.scan(a.key)
     }
 
     /// Fetches the filter word of `h` into the cache.

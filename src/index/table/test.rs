@@ -227,3 +227,30 @@ fn inserts_reuse_the_slots_of_dead_entries() {
         }
     }
 }
+
+#[test]
+fn an_aimed_lookup_answers_as_get() {
+    let mut t = FpTable::default();
+    let h = |i: u64| xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
+    let mut aim = t.aim(h(1));
+    t.screen(&mut aim, 3);
+    assert_eq!(t.get_aimed(&aim), None);
+    for i in 0..20_000u64 {
+        t.insert(h(i), (i % 7) as u32, never);
+    }
+    t.insert(0, 5, never);
+    // Epochs 0 and 1 dropped: their entries stay until a purge.
+    let dead = |tag: u32| tag < 2;
+    for i in 20_000..25_000u64 {
+        t.insert_reusing(h(i), 9, dead);
+    }
+    for i in (0..40_000u64).map(h).chain([0, 1 << 24]) {
+        let mut aim = t.aim(i);
+        t.screen(&mut aim, 3);
+        assert_eq!(t.get_aimed(&aim), t.get(i), "{i:x}");
+    }
+    t.purge(dead);
+    let mut aim = t.aim(0);
+    t.screen(&mut aim, 2);
+    assert_eq!(t.get_aimed(&aim), Some(5));
+}
