@@ -34,8 +34,7 @@ const PREFETCH_AHEAD: usize = 16;
 /// fast and needs its words fetched from further ahead than a batch of
 /// records, which inserts (misses at 10M: 1.3 to 1.4 times the rate of
 /// the path that fetched at 16 and 8 and worked out each probe's filter
-/// position three times,
-/// BENCHMARKS.md).
+/// position three times, BENCHMARKS.md).
 const CHECK_AHEAD: usize = 32;
 const CHECK_SCREEN_AHEAD: usize = 12;
 
