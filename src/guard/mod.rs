@@ -641,7 +641,7 @@ impl Guard {
     ) -> Result<Verdict> {
         self.ready()?;
         self.lane_ref(lane)?;
-        self.check_one(lane.0 as usize, offset, fp)
+        self.check_one(lane.0 as usize, offset, fp, None)
     }
 
     /// [`Guard::check`] for a batch of records, such as one poll's worth:
@@ -704,17 +704,8 @@ impl Guard {
         for (i, p) in probes.iter().enumerate() {
             aim(&self.lanes, &mut aims, i + CHECK_AHEAD);
             screen(&self.lanes, &mut aims, i + CHECK_SCREEN_AHEAD);
-            let lane = p.lane.0 as usize;
-            let found = match self.lanes[lane]
-                .index
-                .lookup_aimed(p.offset, p.fp, &aims[i % RING])
-            {
-                Lookup::Found(r, e) => Some((r, e)),
-                Lookup::Fresh => None,
-                Lookup::Disk { key, position } => self.read_disk(lane, key, position)?,
-            };
-            self.stats.checked += 1;
-            verdicts.push(self.count(found));
+            let v = self.check_one(p.lane.0 as usize, p.offset, p.fp, Some(&aims[i % RING]))?;
+            verdicts.push(v);
         }
         Ok(())
     }
@@ -757,7 +748,7 @@ impl Guard {
             prefetch(&self.lanes, probes.get(i + far), false);
             prefetch(&self.lanes, probes.get(i + near), true);
             let lane = p.lane.0 as usize;
-            let found = self.find(lane, p.offset, p.fp)?;
+            let found = self.find(lane, p.offset, p.fp, None)?;
             let v = self.record_found(lane, p.offset, p.fp, found)?;
             verdicts.push(v);
         }
@@ -780,15 +771,17 @@ impl Guard {
     }
 
     /// Looks a record up in memory and, when the filter in front of the
-    /// disk lets its hash through, on disk. Only the disk read can fail.
+    /// disk lets its hash through, on disk, with its [`Aim`] if a batch
+    /// worked it out. Only the disk read can fail.
     #[inline]
     fn find(
         &mut self,
         lane: usize,
         offset: Option<u64>,
         fp: Option<Fingerprint>,
+        aim: Option<&Aim>,
     ) -> Result<Option<(Reason, u64)>> {
-        match self.lanes[lane].index.lookup(offset, fp) {
+        match self.lanes[lane].index.lookup(offset, fp, aim) {
             Lookup::Found(r, e) => Ok(Some((r, e))),
             Lookup::Fresh => Ok(None),
             Lookup::Disk { key, position } => self.read_disk(lane, key, position),
@@ -814,13 +807,15 @@ impl Guard {
         Ok(resolve(position, content))
     }
 
+    #[inline]
     fn check_one(
         &mut self,
         lane: usize,
         offset: Option<u64>,
         fp: Option<Fingerprint>,
+        aim: Option<&Aim>,
     ) -> Result<Verdict> {
-        let found = self.find(lane, offset, fp)?;
+        let found = self.find(lane, offset, fp, aim)?;
         self.stats.checked += 1;
         Ok(self.count(found))
     }
@@ -868,7 +863,7 @@ impl Guard {
         offset: Option<u64>,
         fp: Option<Fingerprint>,
     ) -> Result<Verdict> {
-        let found = self.find(lane, offset, fp)?;
+        let found = self.find(lane, offset, fp, None)?;
         self.record_found(lane, offset, fp, found)
     }
 
@@ -1238,7 +1233,7 @@ impl Guard {
         let lane = lane.0 as usize;
         let mut n = 0;
         let mut one = |g: &mut Guard, offset: Option<u64>, fp: Option<Fingerprint>| -> Result<()> {
-            if g.find(lane, offset, fp)?.is_none() {
+            if g.find(lane, offset, fp, None)?.is_none() {
                 g.record_found(lane, offset, fp, None)?;
                 n += 1;
             }

@@ -276,23 +276,13 @@ impl LaneIndex {
         (e >= self.floor).then_some(e)
     }
 
-    /// Looks a record up in every live epoch.
-    #[must_use]
-    pub fn lookup(&self, offset: Option<u64>, fp: Option<Fingerprint>) -> Lookup {
-        self.lookup_with(offset, fp, None)
-    }
-
-    /// [`LaneIndex::lookup`] with the hash's [`Aim`] in the table worked
-    /// out and screened ahead, by [`LaneIndex::aim`] and
-    /// [`LaneIndex::screen`], while the index did not change.
+    /// Looks a record up in every live epoch, given the hash's [`Aim`]
+    /// when a batch worked it out and screened it ahead, by
+    /// [`LaneIndex::aim`] and [`LaneIndex::screen`], while the index did
+    /// not change.
     #[inline]
     #[must_use]
-    pub fn lookup_aimed(&self, offset: Option<u64>, fp: Option<Fingerprint>, aim: &Aim) -> Lookup {
-        self.lookup_with(offset, fp, Some(aim))
-    }
-
-    #[inline]
-    fn lookup_with(
+    pub fn lookup(
         &self,
         offset: Option<u64>,
         fp: Option<Fingerprint>,
@@ -333,15 +323,10 @@ impl LaneIndex {
     }
 
     /// First stage of a batched record: fetches the filter words the
-    /// lookup of `fp` will read.
+    /// lookup of `fp` will read, as [`LaneIndex::aim`] does.
     #[inline]
     pub fn prefetch_filters(&self, fp: Option<Fingerprint>) {
-        if let Some(Fingerprint::Hash(h)) = fp {
-            self.hashes.prefetch_filter(h);
-            if let Some(f) = &self.disk.filter {
-                f.prefetch(h);
-            }
-        }
+        let _ = self.aim(fp);
     }
 
     /// First stage of a batched check: the filter word and bits of a

@@ -272,10 +272,16 @@ impl FpTable {
             return self.zero;
         }
         let (word, bits) = filter_bits(key, self.filter.len());
-        if self.filter.get(word).is_none_or(|w| w & bits != bits) {
+        if !self.lets_through(word, bits) {
             return None;
         }
         self.scan(key)
+    }
+
+    /// Whether the filter word `word` has all of `bits` set.
+    #[inline]
+    fn lets_through(&self, word: usize, bits: u64) -> bool {
+        self.filter.get(word).is_some_and(|w| w & bits == bits)
     }
 
     /// The slot scan of [`FpTable::get`], past the filter.
@@ -313,9 +319,7 @@ impl FpTable {
         a.pass = if a.key == 0 {
             self.zero.is_some()
         } else {
-            self.filter
-                .get(a.word)
-                .is_some_and(|w| w & a.bits == a.bits)
+            self.lets_through(a.word, a.bits)
         };
         if a.pass {
             self.prefetch_slot(a.key, lines);
@@ -334,15 +338,6 @@ impl FpTable {
             return self.zero;
         }
         self.scan(a.key)
-    }
-
-    /// Fetches the filter word of `h` into the cache.
-    #[inline]
-    pub fn prefetch_filter(&self, h: u128) {
-        let (word, _) = filter_bits(key_of(h), self.filter.len());
-        if let Some(w) = self.filter.get(word) {
-            prefetch(w);
-        }
     }
 
     /// Fetches `lines` cache lines from the home slot of `h` on: the home
