@@ -641,7 +641,7 @@ impl Guard {
     ) -> Result<Verdict> {
         self.ready()?;
         self.lane_ref(lane)?;
-        self.check_one(lane.0 as usize, offset, fp, None)
+        self.check_one(lane.0 as usize, offset, fp)
     }
 
     /// [`Guard::check`] for a batch of records, such as one poll's worth:
@@ -704,8 +704,12 @@ impl Guard {
         for (i, p) in probes.iter().enumerate() {
             aim(&self.lanes, &mut aims, i + CHECK_AHEAD);
             screen(&self.lanes, &mut aims, i + CHECK_SCREEN_AHEAD);
-            let v = self.check_one(p.lane.0 as usize, p.offset, p.fp, Some(&aims[i % RING]))?;
-            verdicts.push(v);
+            let lane = p.lane.0 as usize;
+            let lookup = self.lanes[lane]
+                .index
+                .lookup_aimed(p.offset, p.fp, &aims[i % RING]);
+            let found = self.settle(lane, lookup)?;
+            verdicts.push(self.checked(found));
         }
         Ok(())
     }
@@ -748,7 +752,7 @@ impl Guard {
             prefetch(&self.lanes, probes.get(i + far), false);
             prefetch(&self.lanes, probes.get(i + near), true);
             let lane = p.lane.0 as usize;
-            let found = self.find(lane, p.offset, p.fp, None)?;
+            let found = self.find(lane, p.offset, p.fp)?;
             let v = self.record_found(lane, p.offset, p.fp, found)?;
             verdicts.push(v);
         }
@@ -771,17 +775,24 @@ impl Guard {
     }
 
     /// Looks a record up in memory and, when the filter in front of the
-    /// disk lets its hash through, on disk, with its [`Aim`] if a batch
-    /// worked it out. Only the disk read can fail.
+    /// disk lets its hash through, on disk. Only the disk read can fail.
     #[inline]
     fn find(
         &mut self,
         lane: usize,
         offset: Option<u64>,
         fp: Option<Fingerprint>,
-        aim: Option<&Aim>,
     ) -> Result<Option<(Reason, u64)>> {
-        match self.lanes[lane].index.lookup(offset, fp, aim) {
+        let lookup = self.lanes[lane].index.lookup(offset, fp);
+        self.settle(lane, lookup)
+    }
+
+    /// What a lookup found, reading the disk when it asks to. A batch of
+    /// checks looks up with its aims and settles here as [`Guard::find`]
+    /// does; forced inline so that nothing of it is a call in that loop.
+    #[inline(always)]
+    fn settle(&mut self, lane: usize, lookup: Lookup) -> Result<Option<(Reason, u64)>> {
+        match lookup {
             Lookup::Found(r, e) => Ok(Some((r, e))),
             Lookup::Fresh => Ok(None),
             Lookup::Disk { key, position } => self.read_disk(lane, key, position),
@@ -807,17 +818,21 @@ impl Guard {
         Ok(resolve(position, content))
     }
 
-    #[inline]
     fn check_one(
         &mut self,
         lane: usize,
         offset: Option<u64>,
         fp: Option<Fingerprint>,
-        aim: Option<&Aim>,
     ) -> Result<Verdict> {
-        let found = self.find(lane, offset, fp, aim)?;
+        let found = self.find(lane, offset, fp)?;
+        Ok(self.checked(found))
+    }
+
+    /// The verdict of a checked record, counted.
+    #[inline]
+    fn checked(&mut self, found: Option<(Reason, u64)>) -> Verdict {
         self.stats.checked += 1;
-        Ok(self.count(found))
+        self.count(found)
     }
 
     #[inline]
@@ -863,7 +878,7 @@ impl Guard {
         offset: Option<u64>,
         fp: Option<Fingerprint>,
     ) -> Result<Verdict> {
-        let found = self.find(lane, offset, fp, None)?;
+        let found = self.find(lane, offset, fp)?;
         self.record_found(lane, offset, fp, found)
     }
 
@@ -1233,7 +1248,7 @@ impl Guard {
         let lane = lane.0 as usize;
         let mut n = 0;
         let mut one = |g: &mut Guard, offset: Option<u64>, fp: Option<Fingerprint>| -> Result<()> {
-            if g.find(lane, offset, fp, None)?.is_none() {
+            if g.find(lane, offset, fp)?.is_none() {
                 g.record_found(lane, offset, fp, None)?;
                 n += 1;
             }

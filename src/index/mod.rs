@@ -276,13 +276,23 @@ impl LaneIndex {
         (e >= self.floor).then_some(e)
     }
 
-    /// Looks a record up in every live epoch, given the hash's [`Aim`]
-    /// when a batch worked it out and screened it ahead, by
-    /// [`LaneIndex::aim`] and [`LaneIndex::screen`], while the index did
-    /// not change.
+    /// Looks a record up in every live epoch.
+    #[must_use]
+    pub fn lookup(&self, offset: Option<u64>, fp: Option<Fingerprint>) -> Lookup {
+        self.lookup_with(offset, fp, None)
+    }
+
+    /// [`LaneIndex::lookup`] with the hash's [`Aim`] in the table worked
+    /// out and screened ahead, by [`LaneIndex::aim`] and
+    /// [`LaneIndex::screen`], while the index did not change.
     #[inline]
     #[must_use]
-    pub fn lookup(
+    pub fn lookup_aimed(&self, offset: Option<u64>, fp: Option<Fingerprint>, aim: &Aim) -> Lookup {
+        self.lookup_with(offset, fp, Some(aim))
+    }
+
+    #[inline]
+    fn lookup_with(
         &self,
         offset: Option<u64>,
         fp: Option<Fingerprint>,

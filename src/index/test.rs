@@ -5,7 +5,7 @@ fn hash(i: u64) -> Fingerprint {
 }
 
 fn found(lane: &LaneIndex, offset: Option<u64>, fp: Option<Fingerprint>) -> Option<(Reason, u64)> {
-    match lane.lookup(offset, fp, None) {
+    match lane.lookup(offset, fp) {
         Lookup::Found(r, e) => Some((r, e)),
         Lookup::Fresh => None,
         Lookup::Disk { .. } => panic!("nothing is on disk here"),
@@ -151,7 +151,7 @@ fn epochs_below_the_floor_go_to_the_disk_filter() {
         panic!("a hash")
     };
     assert_eq!(
-        lane.lookup(None, Some(hash(3)), None),
+        lane.lookup(None, Some(hash(3))),
         Lookup::Disk {
             key: key_of(h),
             position: None
