@@ -356,12 +356,15 @@ impl LaneIndex {
     }
 
     /// Second stage of a batched check: tests the aim's filter word and,
-    /// past it, fetches three slot lines: a hash past the second line would
-    /// otherwise be a cache miss the lookup waits for (sealed hits at 10M:
-    /// 1.09 to 1.12 times the rate with two lines, BENCHMARKS.md).
+    /// past it, fetches five slot lines into the second-level cache: a hash
+    /// past them would otherwise be a cache miss the lookup waits for.
+    /// Fetched there, lines past the third cost little and spare the few
+    /// hashes far from home a wait (sealed hits at 10M: four lines 0.94
+    /// times the rate of five, three 0.87 times that of four, six no faster
+    /// than five; BENCHMARKS.md).
     #[inline]
     pub fn screen(&self, aim: &mut Aim) {
-        self.hashes.screen(aim, 3);
+        self.hashes.screen(aim, 5);
     }
 
     /// Second stage of a batched record: fetches the slot the insert of
