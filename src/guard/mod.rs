@@ -13,7 +13,8 @@ use crate::changelog::{Shipment, Shipped};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::index::{
-    Aim, DiskFilter, LaneIndex, Lookup, Reason, TAG_SPAN, key_of, resolve, tag_of, tagged,
+    Aim, DiskFilter, FAR_SLOTS, LaneIndex, Lookup, Reason, TAG_SPAN, key_of, resolve, tag_of,
+    tagged,
 };
 use crate::store::{
     Chunk, ChunkWrite, Durability, EpochInfo, FORMAT_VERSION, LaneName, LanePosition, Manifest,
@@ -678,6 +679,26 @@ impl Guard {
     /// ```
     pub fn check_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
         self.start_batch(probes, verdicts)?;
+        // Where the fetches go depends on how much the tables hold in all,
+        // against the caches: decided once a batch, so that the loop for
+        // small tables is the same as without the choice.
+        let slots: usize = self.lanes.iter().map(|l| l.index.table_slots()).sum();
+        if slots > FAR_SLOTS {
+            self.check_batch::<true>(probes, verdicts)
+        } else {
+            self.check_batch::<false>(probes, verdicts)
+        }
+    }
+
+    /// [`Guard::check_many`] past its start, fetching as `FAR` says
+    /// ([`FAR_SLOTS`]). Kept out of line: each loop is then compiled on
+    /// its own, the one for small tables as it was before the choice.
+    #[inline(never)]
+    fn check_batch<const FAR: bool>(
+        &mut self,
+        probes: &[Probe],
+        verdicts: &mut Vec<Verdict>,
+    ) -> Result<()> {
         // Each probe's filter word and bits are worked out once: its word
         // is fetched `CHECK_AHEAD` probes ahead, then tested and its slots
         // fetched `CHECK_SCREEN_AHEAD` ahead, and a hash the filter turned
@@ -687,12 +708,14 @@ impl Guard {
         let mut aims = [Aim::default(); RING];
         let aim = |lanes: &[Lane], aims: &mut [Aim; RING], i: usize| {
             if let Some(q) = probes.get(i) {
-                aims[i % RING] = lanes[q.lane.0 as usize].index.aim(q.fp);
+                aims[i % RING] = lanes[q.lane.0 as usize].index.aim::<FAR>(q.fp);
             }
         };
         let screen = |lanes: &[Lane], aims: &mut [Aim; RING], i: usize| {
             if let Some(q) = probes.get(i) {
-                lanes[q.lane.0 as usize].index.screen(&mut aims[i % RING]);
+                lanes[q.lane.0 as usize]
+                    .index
+                    .screen::<FAR>(&mut aims[i % RING]);
             }
         };
         for i in 0..CHECK_AHEAD {

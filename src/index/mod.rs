@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use roaring::RoaringTreemap;
 
 pub use bloom::DiskFilter;
-pub use table::{Aim, FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
+pub use table::{Aim, FAR_SLOTS, FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
 
 use crate::fingerprint::Fingerprint;
 
@@ -336,35 +336,38 @@ impl LaneIndex {
     /// lookup of `fp` will read, as [`LaneIndex::aim`] does.
     #[inline]
     pub fn prefetch_filters(&self, fp: Option<Fingerprint>) {
-        let _ = self.aim(fp);
+        let _ = self.aim::<false>(fp);
     }
 
     /// First stage of a batched check: the filter word and bits of a
     /// hash in the table, its word fetched, and the disk filter's block.
+    /// `FAR` as in [`FpTable::aim`].
     #[inline]
     #[must_use]
-    pub fn aim(&self, fp: Option<Fingerprint>) -> Aim {
+    pub fn aim<const FAR: bool>(&self, fp: Option<Fingerprint>) -> Aim {
         match fp {
             Some(Fingerprint::Hash(h)) => {
                 if let Some(f) = &self.disk.filter {
                     f.prefetch(h);
                 }
-                self.hashes.aim(h)
+                self.hashes.aim::<FAR>(h)
             }
             _ => Aim::default(),
         }
     }
 
     /// Second stage of a batched check: tests the aim's filter word and,
-    /// past it, fetches five slot lines into the second-level cache: a hash
-    /// past them would otherwise be a cache miss the lookup waits for.
-    /// Fetched there, lines past the third cost little and spare the few
-    /// hashes far from home a wait (sealed hits at 10M: four lines 0.94
-    /// times the rate of five, three 0.87 times that of four, six no faster
-    /// than five; BENCHMARKS.md).
+    /// past it, fetches the slot lines ([`FpTable::screen`]).
     #[inline]
-    pub fn screen(&self, aim: &mut Aim) {
-        self.hashes.screen(aim, 5);
+    pub fn screen<const FAR: bool>(&self, aim: &mut Aim) {
+        self.hashes.screen::<FAR>(aim);
+    }
+
+    /// Slots of the lane's table, empty ones included: what decides where
+    /// a batched check fetches to ([`FAR_SLOTS`]).
+    #[must_use]
+    pub fn table_slots(&self) -> usize {
+        self.hashes.slot_count()
     }
 
     /// Second stage of a batched record: fetches the slot the insert of

@@ -20,6 +20,27 @@ const MAX_LOAD_PCT: usize = 85;
 /// 140 ns at 92%).
 pub const PACKED_LOAD_PCT: usize = 85;
 
+/// Slots (of all the tables a batch reads) above which a batched check
+/// fetches into the second-level cache rather than the first, and fetches
+/// `FAR_LINES` slot lines: 64 MiB of slots, about 3.4M entries at 85%
+/// load. Measured in one process on this machine (AMD EPYC, 32 MiB of
+/// L3), sealed batched hits: at 1M entries (19 MB of slots, mostly in L3)
+/// the second-level fetch ran 0.84 to 0.89 times the rate of the
+/// first-level one, at 2M 0.97, at 4M 1.12 and at 10M 1.38 to 1.45
+/// (BENCHMARKS.md). Only speed depends on it.
+pub const FAR_SLOTS: usize = (64 << 20) / 16;
+/// Slot lines a batched check fetches ahead, into the first-level cache:
+/// a hash past the second line would otherwise be a cache miss the lookup
+/// waits for (sealed hits at 10M: 1.09 to 1.12 times the rate with two
+/// lines, BENCHMARKS.md).
+const NEAR_LINES: usize = 3;
+/// Slot lines a batched check fetches ahead past `FAR_SLOTS`, into the
+/// second-level cache, where lines past the third cost little and spare
+/// the few hashes far from home a wait (sealed hits at 10M: four lines
+/// 0.94 times the rate of five, three 0.87 times that of four, six no
+/// faster than five).
+const FAR_LINES: usize = 5;
+
 /// The part of a hash that the table compares.
 #[inline]
 #[must_use]
@@ -239,12 +260,12 @@ pub fn prefetch<T>(p: *const T) {
 }
 
 /// Hints the CPU to fetch the cache line at `p` into its second-level
-/// cache, not the first. A batched check fetches ahead many more lines
-/// than the first level can have on their way; on this machine (AMD EPYC)
-/// fetching them into the second let sealed hits at 10M run about 1.3
-/// times as fast, misses the same (BENCHMARKS.md). Reading the line later
-/// costs a second-level hit, a few nanoseconds. A hint only, as
-/// [`prefetch`].
+/// cache, not the first. A batched check over tables much larger than the
+/// last-level cache has many more lines on their way than the first level
+/// can track; on this machine (AMD EPYC) fetching them into the second let
+/// sealed hits at 10M run 1.3 to 1.5 times as fast, misses the same
+/// (BENCHMARKS.md). Reading the line later costs a second-level hit, a few
+/// nanoseconds. A hint only, as [`prefetch`].
 #[inline(always)]
 pub fn prefetch_l2<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
@@ -296,6 +317,12 @@ impl FpTable {
         self.scan(key)
     }
 
+    /// Number of slots, empty ones included.
+    #[must_use]
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Whether the filter word `word` has all of `bits` set.
     #[inline]
     fn lets_through(&self, word: usize, bits: u64) -> bool {
@@ -314,14 +341,20 @@ impl FpTable {
         None
     }
 
-    /// The filter word and bits of `h`, with its filter word fetched (into
-    /// the second-level cache: see [`prefetch_l2`]).
+    /// The filter word and bits of `h`, with its filter word fetched; with
+    /// `FAR` (past `FAR_SLOTS`) into the second-level cache (sealed batched
+    /// hits at 10M 1.07 times as fast as into the first, at 1M 0.99;
+    /// misses the same).
     #[inline]
-    pub fn aim(&self, h: u128) -> Aim {
+    pub fn aim<const FAR: bool>(&self, h: u128) -> Aim {
         let key = key_of(h);
         let (word, bits) = filter_bits(key, self.filter.len());
         if let Some(w) = self.filter.get(word) {
-            prefetch_l2(w);
+            if FAR {
+                prefetch_l2(w);
+            } else {
+                prefetch(w);
+            }
         }
         Aim {
             key,
@@ -332,17 +365,21 @@ impl FpTable {
     }
 
     /// Tests an aim's filter word (fetched by [`FpTable::aim`]) and, if it
-    /// lets the hash through, fetches `lines` slot lines from its home on,
-    /// into the second-level cache.
+    /// lets the hash through, fetches `NEAR_LINES` slot lines from its home
+    /// on; with `FAR`, `FAR_LINES` lines into the second-level cache.
     #[inline]
-    pub fn screen(&self, a: &mut Aim, lines: usize) {
+    pub fn screen<const FAR: bool>(&self, a: &mut Aim) {
         a.pass = if a.key == 0 {
             self.zero.is_some()
         } else {
             self.lets_through(a.word, a.bits)
         };
         if a.pass {
-            self.prefetch_lines(a.key, lines, prefetch_l2);
+            if FAR {
+                self.prefetch_lines(a.key, FAR_LINES, prefetch_l2);
+            } else {
+                self.prefetch_lines(a.key, NEAR_LINES, prefetch);
+            }
         }
     }
 

@@ -228,13 +228,19 @@ fn inserts_reuse_the_slots_of_dead_entries() {
     }
 }
 
+/// An aimed lookup, with the fetches of a small table or of a large one.
+fn aimed<const FAR: bool>(t: &FpTable, h: u128) -> Option<u32> {
+    let mut aim = t.aim::<FAR>(h);
+    t.screen::<FAR>(&mut aim);
+    t.get_aimed(&aim)
+}
+
 #[test]
 fn an_aimed_lookup_answers_as_get() {
     let mut t = FpTable::default();
     let h = |i: u64| xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
-    let mut aim = t.aim(h(1));
-    t.screen(&mut aim, 3);
-    assert_eq!(t.get_aimed(&aim), None);
+    assert_eq!(aimed::<false>(&t, h(1)), None);
+    assert_eq!(aimed::<true>(&t, h(1)), None);
     for i in 0..20_000u64 {
         t.insert(h(i), (i % 7) as u32, never);
     }
@@ -245,12 +251,10 @@ fn an_aimed_lookup_answers_as_get() {
         t.insert_reusing(h(i), 9, dead);
     }
     for i in (0..40_000u64).map(h).chain([0, 1 << 24]) {
-        let mut aim = t.aim(i);
-        t.screen(&mut aim, 3);
-        assert_eq!(t.get_aimed(&aim), t.get(i), "{i:x}");
+        assert_eq!(aimed::<false>(&t, i), t.get(i), "{i:x}");
+        assert_eq!(aimed::<true>(&t, i), t.get(i), "{i:x}");
     }
     t.purge(dead);
-    let mut aim = t.aim(0);
-    t.screen(&mut aim, 2);
-    assert_eq!(t.get_aimed(&aim), Some(5));
+    assert_eq!(aimed::<false>(&t, 0), Some(5));
+    assert_eq!(aimed::<true>(&t, 0), Some(5));
 }
