@@ -680,8 +680,8 @@ impl Guard {
     pub fn check_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
         self.start_batch(probes, verdicts)?;
         // Where the fetches go depends on how much the tables hold in all,
-        // against the caches: decided once a batch, so that the loop for
-        // small tables is the same as without the choice.
+        // against the caches: decided once a batch, so that neither loop
+        // tests it probe by probe.
         let slots: usize = self.lanes.iter().map(|l| l.index.table_slots()).sum();
         if slots > FAR_SLOTS {
             self.check_batch::<true>(probes, verdicts)
@@ -691,8 +691,9 @@ impl Guard {
     }
 
     /// [`Guard::check_many`] past its start, fetching as `FAR` says
-    /// ([`FAR_SLOTS`]). Kept out of line: each loop is then compiled on
-    /// its own, the one for small tables as it was before the choice.
+    /// ([`FAR_SLOTS`]). Kept out of line, so each loop is compiled on its
+    /// own (at 1M, in one process, the loop for small tables ran as fast
+    /// as the one before the choice, BENCHMARKS.md).
     #[inline(never)]
     fn check_batch<const FAR: bool>(
         &mut self,
