@@ -371,11 +371,12 @@ impl LaneIndex {
     }
 
     /// Second stage of a batched record: fetches the slot the insert of
-    /// `fp` will write, whatever the filter says.
+    /// `fp` will write, whatever the filter says, into the first-level
+    /// cache: the insert writes it.
     #[inline]
     pub fn prefetch_insert(&self, fp: Option<Fingerprint>) {
         if let Some(Fingerprint::Hash(h)) = fp {
-            self.hashes.prefetch_slot(h, 2);
+            self.hashes.prefetch_slots::<false>(h, 2);
         }
     }
 

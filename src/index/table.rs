@@ -249,29 +249,28 @@ pub fn advise_huge_pages<T>(s: &[T]) {
 /// faults, and without it the lookups are the same, only slower.
 #[inline(always)]
 pub fn prefetch<T>(p: *const T) {
+    prefetch_to::<false, T>(p);
+}
+
+/// [`prefetch`] into the first-level cache or, with `FAR`, into the
+/// second-level cache only. A batched check over tables much larger than
+/// the last-level cache has many more lines on their way than the first
+/// level can track; on this machine (AMD EPYC) fetching them into the
+/// second let sealed hits at 10M run 1.3 to 1.5 times as fast, misses the
+/// same (BENCHMARKS.md). Reading the line later costs a second-level hit,
+/// a few nanoseconds.
+#[inline(always)]
+pub fn prefetch_to<const FAR: bool, T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `_mm_prefetch` is a hint; it does not dereference `p` and
     // cannot fault, whatever the address. SSE is part of x86_64.
     unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// Hints the CPU to fetch the cache line at `p` into its second-level
-/// cache, not the first. A batched check over tables much larger than the
-/// last-level cache has many more lines on their way than the first level
-/// can track; on this machine (AMD EPYC) fetching them into the second let
-/// sealed hits at 10M run 1.3 to 1.5 times as fast, misses the same
-/// (BENCHMARKS.md). Reading the line later costs a second-level hit, a few
-/// nanoseconds. A hint only, as [`prefetch`].
-#[inline(always)]
-pub fn prefetch_l2<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: as in `prefetch`: a hint that does not dereference `p`.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T2 }>(p.cast::<i8>());
+        use core::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T2, _mm_prefetch};
+        if FAR {
+            _mm_prefetch::<_MM_HINT_T2>(p.cast::<i8>());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
@@ -350,11 +349,7 @@ impl FpTable {
         let key = key_of(h);
         let (word, bits) = filter_bits(key, self.filter.len());
         if let Some(w) = self.filter.get(word) {
-            if FAR {
-                prefetch_l2(w);
-            } else {
-                prefetch(w);
-            }
+            prefetch_to::<FAR, _>(w);
         }
         Aim {
             key,
@@ -375,11 +370,8 @@ impl FpTable {
             self.lets_through(a.word, a.bits)
         };
         if a.pass {
-            if FAR {
-                self.prefetch_lines(a.key, FAR_LINES, prefetch_l2);
-            } else {
-                self.prefetch_lines(a.key, NEAR_LINES, prefetch);
-            }
+            let lines = if FAR { FAR_LINES } else { NEAR_LINES };
+            self.prefetch_slots::<FAR>(a.key, lines);
         }
     }
 
@@ -401,19 +393,13 @@ impl FpTable {
     /// slot's and the ones after it. A hash sits a few slots past its home
     /// in a full table, often across a line boundary (4 slots a line): at
     /// 85% load about 86% of hashes lie within two lines of the home slot's
-    /// start and 96% within three. Into the first-level cache: a batch of
-    /// records writes these lines.
-    #[inline]
-    pub fn prefetch_slot(&self, h: u128, lines: usize) {
-        self.prefetch_lines(h, lines, prefetch);
-    }
-
+    /// start and 96% within three. `FAR` as in [`prefetch_to`].
     #[inline(always)]
-    fn prefetch_lines(&self, h: u128, lines: usize, fetch: impl Fn(*const u128)) {
+    pub fn prefetch_slots<const FAR: bool>(&self, h: u128, lines: usize) {
         let home = home_of(h, self.homes);
         for k in 0..lines {
             if let Some(s) = self.slots.get(home + 4 * k) {
-                fetch(s);
+                prefetch_to::<FAR, _>(s);
             }
         }
     }
