@@ -533,6 +533,8 @@ impl LaneIndex {
     /// or more, the table is laid out fuller, in one pass that costs at
     /// most four times what the epoch's inserts did; smaller epochs leave
     /// it as it is, so a checkpoint never costs a pass over many epochs.
+    /// A table laid out again during the epoch (grown or purged) is
+    /// moved onto huge pages, one copy of it, at most once a checkpoint.
     pub fn close(&mut self, next: u64) {
         if let Some(last) = self.epochs.back_mut()
             && last.epoch == self.open
@@ -540,6 +542,7 @@ impl LaneIndex {
             if last.hashes * 4 >= self.hashes.len() as u64 {
                 self.hashes.pack();
             }
+            self.hashes.settle_pages();
             last.offsets.optimize();
             last.ids.optimize();
             self.sealed_bitmap_bytes += last.bitmap_bytes();

@@ -97,6 +97,9 @@ pub struct FpTable {
     len: usize,
     /// The tag of the hash whose key is 0, if it is held.
     zero: Option<u32>,
+    /// Whether the slots and filter were handed to
+    /// [`advise_huge_pages`] since they were last laid out.
+    huge: bool,
 }
 
 /// Filter words for `homes` home slots: 6 bits each.
@@ -539,6 +542,7 @@ impl FpTable {
             homes,
             len,
             zero,
+            huge: false,
         };
         t.refill_with(true);
         t
@@ -617,8 +621,8 @@ impl FpTable {
     }
 
     /// [`FpTable::rebuild`] for a table that grows under inserts or is
-    /// purged: no huge-page advice, which would cost a copy (or, asked
-    /// for ahead, page faults that compact memory) every time.
+    /// purged: no huge-page advice, which would cost a copy every time it
+    /// grows; [`FpTable::settle_pages`] gives it once the epoch closes.
     fn grow(&mut self, homes: usize) {
         let slots = std::mem::take(&mut self.slots).into_vec();
         (self.slots, self.homes) = lay_out(slots, homes);
@@ -651,6 +655,21 @@ impl FpTable {
             filter[word] |= bits;
         }
         self.filter = filter;
+        self.huge = huge;
+    }
+
+    /// Backs the slots and the filter with huge pages
+    /// ([`advise_huge_pages`]) if they were laid out since they last
+    /// were: once per layout, not once per growth. A table that grows or
+    /// is purged in place is otherwise left on small pages for good,
+    /// which slows every random lookup in a large one by a TLB miss
+    /// (BENCHMARKS.md).
+    pub fn settle_pages(&mut self) {
+        if !self.huge {
+            advise_huge_pages(&self.slots);
+            advise_huge_pages(&self.filter);
+            self.huge = true;
+        }
     }
 
     /// Number of entries.

@@ -258,3 +258,69 @@ fn an_aimed_lookup_answers_as_get() {
     assert_eq!(aimed::<false>(&t, 0), Some(5));
     assert_eq!(aimed::<true>(&t, 0), Some(5));
 }
+
+/// Bytes of `s` that the kernel backs with huge pages, from the mappings
+/// in `/proc/self/smaps` that overlap it.
+#[cfg(target_os = "linux")]
+fn huge_bytes<T>(s: &[T]) -> u64 {
+    let (start, end) = (s.as_ptr() as u64, s.as_ptr() as u64 + size_of_val(s) as u64);
+    let smaps = std::fs::read_to_string("/proc/self/smaps")
+        .unwrap_or_else(|e| panic!("read /proc/self/smaps: {e}"));
+    let mut overlaps = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-')
+            && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+        {
+            overlaps = a < end && start < b;
+        } else if overlaps && first == "AnonHugePages:" {
+            kib += words
+                .next()
+                .and_then(|w| w.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    kib * 1024
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_grown_table_settles_on_huge_pages() {
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if thp.is_empty() || thp.contains("[never]") {
+        eprintln!("transparent huge pages are off here: nothing to check");
+        return;
+    }
+    // Grown by inserts to about 12 MiB of slots: laid out again at every
+    // growth, never advised.
+    let mut t = FpTable::default();
+    let mut x = 7;
+    while t.len() < 600_000 {
+        added(
+            &mut t,
+            u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x)),
+        );
+    }
+    assert!(!t.huge, "a table grown by inserts counts as advised");
+    t.settle_pages();
+    assert!(t.huge);
+    let slots = huge_bytes(&t.slots);
+    assert!(
+        slots >= 4 << 20,
+        "{slots} B of {} B of slots on huge pages after settling",
+        size_of_val(&*t.slots)
+    );
+    t.check_invariants();
+    // Settled once, the next epoch's growth makes it settle again.
+    let before = t.slots.len();
+    while t.slots.len() == before {
+        added(
+            &mut t,
+            u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x)),
+        );
+    }
+    assert!(!t.huge, "a grown table counts as settled");
+}
