@@ -542,7 +542,6 @@ impl LaneIndex {
             if last.hashes * 4 >= self.hashes.len() as u64 {
                 self.hashes.pack();
             }
-            self.hashes.settle_pages();
             last.offsets.optimize();
             last.ids.optimize();
             self.sealed_bitmap_bytes += last.bitmap_bytes();
@@ -552,6 +551,9 @@ impl LaneIndex {
             self.sealed_ids.optimize();
             self.refresh_ranges();
         }
+        // After the pack, and whether or not the epoch took records: the
+        // checkpoint's purge may have laid the table out again.
+        self.hashes.settle_pages();
         self.open = next;
     }
 

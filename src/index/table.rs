@@ -672,6 +672,13 @@ impl FpTable {
         }
     }
 
+    /// Whether [`FpTable::settle_pages`] has nothing left to do.
+    #[cfg(test)]
+    #[must_use]
+    pub fn is_settled(&self) -> bool {
+        self.huge
+    }
+
     /// Number of entries.
     #[must_use]
     pub fn len(&self) -> usize {

@@ -171,3 +171,37 @@ fn epochs_below_the_floor_go_to_the_disk_filter() {
     assert!(!lane.disk_epoch_is_live(0));
     assert_eq!(lane.disk().live, 0);
 }
+
+#[test]
+fn a_table_that_grew_during_an_epoch_is_settled_when_it_closes() {
+    let mut lane = LaneIndex::new(0, 0, 0);
+    for i in 0..300_000u64 {
+        lane.insert(0, None, Some(hash(i)));
+    }
+    lane.close(1);
+    assert!(lane.hashes.is_settled(), "a packed table is on huge pages");
+    // The packed table grows at the next few inserts; the epoch stays far
+    // below a quarter of it, so closing it does not pack the table.
+    let slots = lane.hashes.slot_count();
+    let mut i = 300_000u64;
+    while lane.hashes.slot_count() == slots {
+        lane.insert(1, None, Some(hash(i)));
+        i += 1;
+    }
+    assert!(i - 300_000 < 75_000);
+    assert!(!lane.hashes.is_settled(), "a grown table is laid out anew");
+    lane.close(2);
+    assert!(lane.hashes.is_settled(), "closing the epoch settles it");
+    // So does a checkpoint whose purge laid the table out again, though
+    // no record came in the epoch it closes.
+    lane.drop_before(2);
+    assert!(!lane.hashes.is_settled(), "a purged table is laid out anew");
+    lane.close(3);
+    assert!(
+        lane.hashes.is_settled(),
+        "closing an empty epoch settles it"
+    );
+    for k in 300_000..i {
+        assert_eq!(found(&lane, None, Some(hash(k))), None, "dropped {k}");
+    }
+}
