@@ -97,8 +97,8 @@ pub struct FpTable {
     len: usize,
     /// The tag of the hash whose key is 0, if it is held.
     zero: Option<u32>,
-    /// Whether the slots and filter were handed to
-    /// [`advise_huge_pages`] since they were last laid out.
+    /// Whether the slots and filter were given huge-page advice
+    /// ([`FpTable::settle_pages`]) since they were last laid out.
     huge: bool,
 }
 
@@ -213,39 +213,60 @@ fn lay_out(mut v: Vec<u128>, homes: usize) -> (Box<[u128]>, usize) {
     }
 }
 
-/// Asks the kernel to back a large array with 2 MiB pages, now.
+/// Asks the kernel to back a large array with 2 MiB pages, now, and to
+/// give its pages not yet touched huge pages too. For arrays that are
+/// never resized in place (the filters); the table's slots are
+/// [`collapse_huge_pages`].
 ///
 /// A lookup in a table of hundreds of megabytes touches a random page
 /// each time; with 4 KiB pages nearly every one is also a TLB miss, which
-/// a prefetch waits for too. The tables are laid out in place, so their
-/// pages are already touched: `MADV_COLLAPSE` (Linux 6.1 and later)
-/// moves them into huge pages at once, one copy of the array, no more
-/// than the layout itself costs. Elsewhere, or when the kernel says no,
-/// nothing changes but speed.
+/// a prefetch waits for too. `MADV_HUGEPAGE` marks the range, so that its
+/// first writes get huge pages; `MADV_COLLAPSE` (Linux 6.1 and later)
+/// moves the pages already touched into huge pages at once, one copy.
+/// Elsewhere, or when the kernel says no, nothing changes but speed.
 pub fn advise_huge_pages<T>(s: &[T]) {
     #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let bytes = std::mem::size_of_val(s);
-        if bytes < 2 * HUGE {
-            return;
-        }
-        let start = s.as_ptr() as usize;
-        let from = start.div_ceil(HUGE) * HUGE;
-        let to = (start + bytes) / HUGE * HUGE;
-        if to > from {
+    madvise_huge(s, &[libc::MADV_HUGEPAGE, libc::MADV_COLLAPSE]);
+    #[cfg(not(target_os = "linux"))]
+    let _ = s;
+}
+
+/// [`advise_huge_pages`] for the table's slots, which are grown in place
+/// by `realloc`: only `MADV_COLLAPSE`, which moves the touched pages into
+/// huge pages without marking the range. A mark applies to whole 2 MiB
+/// pages, so it splits the allocation's mapping in three, and the kernel
+/// refuses to move a range that spans several mappings (`mremap` fails
+/// with `EFAULT`): every growth after one then copied the whole table
+/// into a new allocation, holding both meanwhile (BENCHMARKS.md).
+pub fn collapse_huge_pages<T>(s: &[T]) {
+    #[cfg(target_os = "linux")]
+    madvise_huge(s, &[libc::MADV_COLLAPSE]);
+    #[cfg(not(target_os = "linux"))]
+    let _ = s;
+}
+
+/// Gives `advice`, in turn, for the whole 2 MiB pages inside `s`, if it
+/// is large enough to be worth it.
+#[cfg(target_os = "linux")]
+fn madvise_huge<T>(s: &[T], advice: &[libc::c_int]) {
+    const HUGE: usize = 2 << 20;
+    let bytes = std::mem::size_of_val(s);
+    if bytes < 2 * HUGE {
+        return;
+    }
+    let start = s.as_ptr() as usize;
+    let from = start.div_ceil(HUGE) * HUGE;
+    let to = (start + bytes) / HUGE * HUGE;
+    if to > from {
+        for &a in advice {
             // SAFETY: madvise only changes how the kernel backs these
             // pages, which lie inside the live allocation `s`; their
             // contents stay as they are. Errors are ignored: it is advice.
             unsafe {
-                let p = from as *mut libc::c_void;
-                libc::madvise(p, to - from, libc::MADV_HUGEPAGE);
-                libc::madvise(p, to - from, libc::MADV_COLLAPSE);
+                libc::madvise(from as *mut libc::c_void, to - from, a);
             }
         }
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = s;
 }
 
 /// Hints the CPU to fetch the cache line at `p`. A hint only: it never
@@ -535,7 +556,7 @@ impl FpTable {
         }
         let len = v.len();
         let (slots, homes) = lay_out(v, len * 100 / load_pct + 1);
-        advise_huge_pages(&slots);
+        collapse_huge_pages(&slots);
         let mut t = FpTable {
             slots,
             filter: Box::default(),
@@ -635,7 +656,7 @@ impl FpTable {
     fn rebuild(&mut self, homes: usize) {
         let slots = std::mem::take(&mut self.slots).into_vec();
         (self.slots, self.homes) = lay_out(slots, homes);
-        advise_huge_pages(&self.slots);
+        collapse_huge_pages(&self.slots);
         self.refill_with(true);
     }
 
@@ -659,14 +680,14 @@ impl FpTable {
     }
 
     /// Backs the slots and the filter with huge pages
-    /// ([`advise_huge_pages`]) if they were laid out since they last
-    /// were: once per layout, not once per growth. A table that grows or
-    /// is purged in place is otherwise left on small pages for good,
-    /// which slows every random lookup in a large one by a TLB miss
-    /// (BENCHMARKS.md).
+    /// ([`collapse_huge_pages`], [`advise_huge_pages`]) if they were laid
+    /// out since they last were: once per layout, not once per growth. A
+    /// table that grows or is purged in place is otherwise left on small
+    /// pages for good, which slows every random lookup in a large one by
+    /// a TLB miss (BENCHMARKS.md).
     pub fn settle_pages(&mut self) {
         if !self.huge {
-            advise_huge_pages(&self.slots);
+            collapse_huge_pages(&self.slots);
             advise_huge_pages(&self.filter);
             self.huge = true;
         }
