@@ -128,88 +128,134 @@ fn slots_for(homes: usize) -> usize {
     homes + homes / 512 + 32
 }
 
+/// Old slots whose entries a layout that moves them right places as one
+/// block: it keeps only where each block's first entry may go, and works
+/// out the places within a block again, into a buffer on the stack, as it
+/// moves them.
+const BLOCK: usize = 1024;
+
+/// Sets the filter bits of `h`.
+#[inline]
+fn mark(filter: &mut [u64], h: u128) {
+    let (word, bits) = filter_bits(h, filter.len());
+    filter[word] |= bits;
+}
+
 /// Lays out the entries held in `v` (ascending, with any number of empty
-/// slots between them) over at least `homes` home slots. Returns the slots
-/// and the number of home slots used.
+/// slots between them) over at least `homes` home slots, and fills a new
+/// filter for them on the way (its pages advised before they are touched
+/// when `huge_filter`). Returns the slots, the number of home slots used
+/// and the filter.
 ///
 /// The layout is canonical: each entry goes to `max(home, previous + 1)`.
-/// When every entry moves right (a bigger table, or a compact sorted
-/// vector), it is done in place: the vector is extended (a `realloc`,
-/// which for large tables remaps pages rather than copying them) and the
-/// entries are moved from the last one down. When every entry moves left
-/// (a smaller table), it is done in place from the first one up.
-/// Otherwise a new vector is laid out.
-fn lay_out(mut v: Vec<u128>, homes: usize) -> (Box<[u128]>, usize) {
+/// A first pass works out which way the entries move, without storing
+/// their places. When every entry moves right (a bigger table, or a
+/// compact sorted vector), it is done in place: the vector is extended (a
+/// `realloc`, which for large tables remaps pages rather than copying
+/// them) and the entries are moved from the last block down. When every
+/// entry moves left (a smaller table), it is done in place from the first
+/// one up. Otherwise a new vector is laid out.
+fn lay_out(mut v: Vec<u128>, homes: usize, huge_filter: bool) -> (Box<[u128]>, usize, Box<[u64]>) {
     let mut homes = homes.max(16);
-    let count = v.iter().filter(|&&s| s != 0).count();
     loop {
         let len = slots_for(homes);
-        // Where each entry goes, and which way they all move.
-        let (mut right, mut left, mut fits) = (true, true, true);
-        let track = len <= u32::MAX as usize;
-        let mut places: Vec<u32> = Vec::with_capacity(if track { count } else { 0 });
+        // Which way the entries move, and the first slot free for an
+        // entry where each block of old slots begins.
+        let (mut right, mut left) = (true, true);
+        let mut starts = Vec::with_capacity(v.len().div_ceil(BLOCK));
         let mut next = 0;
-        for (q, &h) in v.iter().enumerate().filter(|(_, s)| **s != 0) {
-            let at = home_of(h, homes).max(next);
-            // Keep the last slot empty; spill-over this long is rare.
-            if at + 1 >= len {
-                fits = false;
-                break;
+        let fits = 'scan: {
+            for (b, block) in v.chunks(BLOCK).enumerate() {
+                starts.push(next);
+                for (j, &h) in block.iter().enumerate() {
+                    if h == 0 {
+                        continue;
+                    }
+                    let q = b * BLOCK + j;
+                    let at = home_of(h, homes).max(next);
+                    // Keep the last slot empty; spill-over this long is rare.
+                    if at + 1 >= len {
+                        break 'scan false;
+                    }
+                    right &= at >= q;
+                    left &= at <= q;
+                    next = at + 1;
+                }
             }
-            right &= at >= q;
-            left &= at <= q;
-            if track {
-                places.push(at as u32);
-            }
-            next = at + 1;
-        }
+            true
+        };
         if !fits {
             homes += homes / 8 + 16;
             continue;
         }
-        if track && right && len >= v.len() {
+        let mut filter = vec![0u64; filter_words(homes)].into_boxed_slice();
+        if huge_filter {
+            advise_huge_pages(&filter);
+        }
+        if right && len >= v.len() {
             let old = v.len();
             v.reserve_exact(len - old);
             v.resize(len, 0);
-            let mut k = places.len();
-            for q in (0..old).rev() {
-                let h = v[q];
-                if h != 0 {
-                    k -= 1;
-                    let at = places[k] as usize;
-                    if at != q {
-                        v[at] = h;
-                        v[q] = 0;
+            // Entries only move right, so those of a block land past the
+            // old slots of the blocks before it: moved from the last block
+            // down, every slot written to is free or already moved from.
+            let mut places = [0usize; BLOCK];
+            for (b, &start) in starts.iter().enumerate().rev() {
+                let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(old));
+                let mut next = start;
+                let mut k = 0;
+                for &h in &v[lo..hi] {
+                    if h != 0 {
+                        let at = home_of(h, homes).max(next);
+                        places[k] = at;
+                        k += 1;
+                        next = at + 1;
+                    }
+                }
+                for q in (lo..hi).rev() {
+                    let h = v[q];
+                    if h != 0 {
+                        k -= 1;
+                        let at = places[k];
+                        mark(&mut filter, h);
+                        if at != q {
+                            v[at] = h;
+                            v[q] = 0;
+                        }
                     }
                 }
             }
-            return (v.into_boxed_slice(), homes);
+            return (v.into_boxed_slice(), homes, filter);
         }
-        if track && left {
-            let mut k = 0;
+        if left {
+            // Every entry before `q` already sits before the place of the
+            // one at `q`, so that place is free or already moved from.
+            let mut next = 0;
             for q in 0..v.len() {
                 let h = v[q];
                 if h != 0 {
-                    let at = places[k] as usize;
-                    k += 1;
+                    let at = home_of(h, homes).max(next);
+                    mark(&mut filter, h);
                     if at != q {
                         v[at] = h;
                         v[q] = 0;
                     }
+                    next = at + 1;
                 }
             }
             v.truncate(len);
             v.resize(len, 0);
-            return (v.into_boxed_slice(), homes);
+            return (v.into_boxed_slice(), homes, filter);
         }
         let mut slots = vec![0u128; len].into_boxed_slice();
         let mut next = 0;
         for &h in v.iter().filter(|&&s| s != 0) {
             let at = home_of(h, homes).max(next);
             slots[at] = h;
+            mark(&mut filter, h);
             next = at + 1;
         }
-        return (slots, homes);
+        return (slots, homes, filter);
     }
 }
 
@@ -555,18 +601,16 @@ impl FpTable {
             zero = Some((v.remove(0) & TAG_MASK) as u32);
         }
         let len = v.len();
-        let (slots, homes) = lay_out(v, len * 100 / load_pct + 1);
+        let (slots, homes, filter) = lay_out(v, len * 100 / load_pct + 1, true);
         collapse_huge_pages(&slots);
-        let mut t = FpTable {
+        FpTable {
             slots,
-            filter: Box::default(),
+            filter,
             homes,
             len,
             zero,
-            huge: false,
-        };
-        t.refill_with(true);
-        t
+            huge: true,
+        }
     }
 
     /// Drops every entry whose tag `drop` accepts, then lays the table out
@@ -645,38 +689,35 @@ impl FpTable {
     /// purged: no huge-page advice, which would cost a copy every time it
     /// grows; [`FpTable::settle_pages`] gives it once the epoch closes.
     fn grow(&mut self, homes: usize) {
+        self.lay_out(homes, false);
+    }
+
+    /// Lays the slots out over `homes` home slots with a new filter, the
+    /// old one freed first.
+    fn lay_out(&mut self, homes: usize, huge: bool) {
         let slots = std::mem::take(&mut self.slots).into_vec();
-        (self.slots, self.homes) = lay_out(slots, homes);
-        self.refill_with(false);
+        self.filter = Box::default();
+        (self.slots, self.homes, self.filter) = lay_out(slots, homes, huge);
+        self.huge = huge;
     }
 
     /// Lays the entries out again over `homes` home slots (at least), for
     /// a table that is then mostly read: its pages are collapsed into huge
     /// pages.
     fn rebuild(&mut self, homes: usize) {
-        let slots = std::mem::take(&mut self.slots).into_vec();
-        (self.slots, self.homes) = lay_out(slots, homes);
+        self.lay_out(homes, true);
         collapse_huge_pages(&self.slots);
-        self.refill_with(true);
     }
 
     /// Sizes the filter for the home slots and sets every entry's bits.
     fn refill(&mut self) {
-        self.refill_with(false);
-    }
-
-    fn refill_with(&mut self, huge: bool) {
-        let words = filter_words(self.homes);
-        let mut filter = vec![0u64; words].into_boxed_slice();
-        if huge {
-            advise_huge_pages(&filter);
-        }
+        self.filter = Box::default();
+        let mut filter = vec![0u64; filter_words(self.homes)].into_boxed_slice();
         for &h in self.slots.iter().filter(|&&s| s != 0) {
-            let (word, bits) = filter_bits(h, words);
-            filter[word] |= bits;
+            mark(&mut filter, h);
         }
         self.filter = filter;
-        self.huge = huge;
+        self.huge = false;
     }
 
     /// Backs the slots and the filter with huge pages

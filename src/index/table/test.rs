@@ -350,3 +350,57 @@ fn a_grown_table_settles_on_huge_pages() {
     }
     assert!(!t.huge, "a grown table counts as settled");
 }
+
+/// The canonical layout of sorted `hashes` over `homes` home slots, and
+/// its filter, made the plain way.
+fn canonical(hashes: &[u128], homes: usize) -> (Vec<u128>, Vec<u64>) {
+    let mut slots = vec![0u128; slots_for(homes)];
+    let mut filter = vec![0u64; filter_words(homes)];
+    let mut next = 0;
+    for &h in hashes {
+        let at = home_of(h, homes).max(next);
+        slots[at] = h;
+        mark(&mut filter, h);
+        next = at + 1;
+    }
+    (slots, filter)
+}
+
+#[test]
+fn layouts_in_either_direction_match_the_canonical_one() {
+    let mut x = 11;
+    let mut hashes: Vec<u128> = (0..20_000)
+        .map(|_| (u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x))) | 1)
+        .collect();
+    hashes.sort_unstable();
+    hashes.dedup();
+    let n = hashes.len();
+    // From a compact vector (every entry moves right), then from each
+    // layout to smaller (left), slightly larger (mostly right, some left:
+    // a new vector) and much larger (right) tables, over many blocks.
+    for first in [n * 100 / 85, n * 100 / 60, n * 3] {
+        let (slots, homes, filter) = lay_out(hashes.clone(), first, false);
+        let (want, want_filter) = canonical(&hashes, homes);
+        assert_eq!(&*slots, &want[..], "from compact to {homes} homes");
+        assert_eq!(&*filter, &want_filter[..]);
+        for to in [n * 100 / 90, n * 100 / 85, homes + homes / 12, homes * 4] {
+            let (again, to_homes, filter) = lay_out(slots.to_vec(), to, false);
+            let (want, want_filter) = canonical(&hashes, to_homes);
+            assert_eq!(&*again, &want[..], "from {homes} to {to_homes} homes");
+            assert_eq!(&*filter, &want_filter[..]);
+        }
+    }
+    // Spread out, then compact: over four times as many homes the first
+    // half moves both ways and the second half right, so a new vector.
+    let mut spread = Vec::new();
+    for (i, &h) in hashes.iter().enumerate() {
+        spread.push(h);
+        if i < n / 2 {
+            spread.extend([0; 3]);
+        }
+    }
+    let (slots, homes, filter) = lay_out(spread, n * 4, false);
+    let (want, want_filter) = canonical(&hashes, homes);
+    assert_eq!(&*slots, &want[..], "from spread out to {homes} homes");
+    assert_eq!(&*filter, &want_filter[..]);
+}
