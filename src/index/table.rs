@@ -143,9 +143,10 @@ fn mark(filter: &mut [u64], h: u128) {
 
 /// Lays out the entries held in `v` (ascending, with any number of empty
 /// slots between them) over at least `homes` home slots, and fills a new
-/// filter for them on the way (its pages advised before they are touched
-/// when `huge_filter`). Returns the slots, the number of home slots used
-/// and the filter.
+/// filter for them on the way. With `huge`, for a table that is then
+/// mostly read, the filter's pages are advised before they are touched
+/// and the slots are collapsed into huge pages once laid out. Returns the
+/// slots, the number of home slots used and the filter.
 ///
 /// The layout is canonical: each entry goes to `max(home, previous + 1)`.
 /// A first pass works out which way the entries move, without storing
@@ -155,7 +156,16 @@ fn mark(filter: &mut [u64], h: u128) {
 /// them) and the entries are moved from the last block down. When every
 /// entry moves left (a smaller table), it is done in place from the first
 /// one up. Otherwise a new vector is laid out.
-fn lay_out(mut v: Vec<u128>, homes: usize, huge_filter: bool) -> (Box<[u128]>, usize, Box<[u64]>) {
+fn lay_out(v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box<[u64]>) {
+    let (slots, homes, filter) = place(v, homes, huge);
+    if huge {
+        collapse_huge_pages(&slots);
+    }
+    (slots, homes, filter)
+}
+
+/// [`lay_out`] but for the slots' huge pages.
+fn place(mut v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box<[u64]>) {
     let mut homes = homes.max(16);
     loop {
         let len = slots_for(homes);
@@ -189,7 +199,7 @@ fn lay_out(mut v: Vec<u128>, homes: usize, huge_filter: bool) -> (Box<[u128]>, u
             continue;
         }
         let mut filter = vec![0u64; filter_words(homes)].into_boxed_slice();
-        if huge_filter {
+        if huge {
             advise_huge_pages(&filter);
         }
         if right && len >= v.len() {
@@ -602,7 +612,6 @@ impl FpTable {
         }
         let len = v.len();
         let (slots, homes, filter) = lay_out(v, len * 100 / load_pct + 1, true);
-        collapse_huge_pages(&slots);
         FpTable {
             slots,
             filter,
@@ -693,7 +702,7 @@ impl FpTable {
     }
 
     /// Lays the slots out over `homes` home slots with a new filter, the
-    /// old one freed first.
+    /// old one freed first; on huge pages with `huge` ([`lay_out`]).
     fn lay_out(&mut self, homes: usize, huge: bool) {
         let slots = std::mem::take(&mut self.slots).into_vec();
         self.filter = Box::default();
@@ -706,7 +715,6 @@ impl FpTable {
     /// pages.
     fn rebuild(&mut self, homes: usize) {
         self.lay_out(homes, true);
-        collapse_huge_pages(&self.slots);
     }
 
     /// Sizes the filter for the home slots and sets every entry's bits.

@@ -259,15 +259,15 @@ fn an_aimed_lookup_answers_as_get() {
     assert_eq!(aimed::<true>(&t, 0), Some(5));
 }
 
-/// Bytes of `s` that the kernel backs with huge pages, from the mappings
-/// in `/proc/self/smaps` that overlap it.
+/// The mappings in `/proc/self/smaps` that overlap `s`: the bytes the
+/// kernel backs with huge pages in each.
 #[cfg(target_os = "linux")]
-fn huge_bytes<T>(s: &[T]) -> u64 {
+fn mappings<T>(s: &[T]) -> Vec<u64> {
     let (start, end) = (s.as_ptr() as u64, s.as_ptr() as u64 + size_of_val(s) as u64);
     let smaps = std::fs::read_to_string("/proc/self/smaps")
         .unwrap_or_else(|e| panic!("read /proc/self/smaps: {e}"));
+    let mut huge = Vec::new();
     let mut overlaps = false;
-    let mut kib = 0;
     for line in smaps.lines() {
         let mut words = line.split_whitespace();
         let first = words.next().unwrap_or("");
@@ -275,33 +275,21 @@ fn huge_bytes<T>(s: &[T]) -> u64 {
             && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
         {
             overlaps = a < end && start < b;
-        } else if overlaps && first == "AnonHugePages:" {
-            kib += words
-                .next()
-                .and_then(|w| w.parse::<u64>().ok())
-                .unwrap_or(0);
+            if overlaps {
+                huge.push(0);
+            }
+        } else if overlaps
+            && first == "AnonHugePages:"
+            && let Some(last) = huge.last_mut()
+        {
+            *last += 1024
+                * words
+                    .next()
+                    .and_then(|w| w.parse::<u64>().ok())
+                    .unwrap_or(0);
         }
     }
-    kib * 1024
-}
-
-/// How many of the process's mappings `s` spans (`/proc/self/smaps`).
-#[cfg(target_os = "linux")]
-fn mappings<T>(s: &[T]) -> usize {
-    let (start, end) = (s.as_ptr() as u64, s.as_ptr() as u64 + size_of_val(s) as u64);
-    let smaps = std::fs::read_to_string("/proc/self/smaps")
-        .unwrap_or_else(|e| panic!("read /proc/self/smaps: {e}"));
-    smaps
-        .lines()
-        .filter_map(|line| line.split_whitespace().next()?.split_once('-'))
-        .filter_map(|(a, b)| {
-            Some((
-                u64::from_str_radix(a, 16).ok()?,
-                u64::from_str_radix(b, 16).ok()?,
-            ))
-        })
-        .filter(|&(a, b)| a < end && start < b)
-        .count()
+    huge
 }
 
 #[cfg(target_os = "linux")]
@@ -326,7 +314,7 @@ fn a_grown_table_settles_on_huge_pages() {
     assert!(!t.huge, "a table grown by inserts counts as advised");
     t.settle_pages();
     assert!(t.huge);
-    let slots = huge_bytes(&t.slots);
+    let slots: u64 = mappings(&t.slots).iter().sum();
     assert!(
         slots >= 4 << 20,
         "{slots} B of {} B of slots on huge pages after settling",
@@ -335,7 +323,7 @@ fn a_grown_table_settles_on_huge_pages() {
     // In one mapping still, so that the next growth moves it rather than
     // copying it (a range marked for huge pages is a mapping of its own).
     assert_eq!(
-        mappings(&t.slots),
+        mappings(&t.slots).len(),
         1,
         "the settled slots span several mappings"
     );
