@@ -126,8 +126,41 @@ impl Measurement for ThreadCpu {
     }
 }
 
+/// Bytes live on the heap, and in the index's own mappings: a large
+/// table's slots are mapped apart from the allocator, and only what of
+/// them is resident counts.
 fn live_bytes() -> isize {
-    LIVE.load(Ordering::Relaxed)
+    LIVE.load(Ordering::Relaxed) + slot_mappings_resident() as isize
+}
+
+/// Resident bytes of the mappings that large tables make for their slots,
+/// from `/proc/self/smaps`: the anonymous mappings made with
+/// `MAP_NORESERVE` (flag `nr`) and marked for huge pages (`hg`). Zero
+/// elsewhere than on Linux.
+fn slot_mappings_resident() -> u64 {
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
+        return 0;
+    };
+    let (mut total, mut rss) = (0, 0);
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("Rss:") => {
+                rss = words
+                    .next()
+                    .and_then(|w| w.parse::<u64>().ok())
+                    .unwrap_or(0)
+            }
+            Some("VmFlags:") => {
+                let flags: Vec<&str> = words.collect();
+                if flags.contains(&"nr") && flags.contains(&"hg") {
+                    total += rss * 1024;
+                }
+            }
+            _ => {}
+        }
+    }
+    total
 }
 
 /// Number of live fingerprints.

@@ -13,6 +13,9 @@ pub const TAG_SPAN: u64 = 1 << TAG_BITS;
 const TAG_MASK: u128 = (1 << TAG_BITS) - 1;
 const KEY_MASK: u128 = !TAG_MASK;
 
+mod slots;
+use slots::Slots;
+
 /// Load, in percent of the home slots, above which the table grows.
 const MAX_LOAD_PCT: usize = 85;
 /// Load at which a table is laid out after a purge or a bulk load. Probes
@@ -91,7 +94,7 @@ pub fn tag_of(epoch: u64) -> u32 {
 /// the entries its caller no longer wants, in one in-place pass.
 #[derive(Debug, Default)]
 pub struct FpTable {
-    slots: Box<[u128]>,
+    slots: Slots,
     filter: Box<[u64]>,
     homes: usize,
     len: usize,
@@ -151,12 +154,13 @@ fn mark(filter: &mut [u64], h: u128) {
 /// The layout is canonical: each entry goes to `max(home, previous + 1)`.
 /// A first pass works out which way the entries move, without storing
 /// their places. When every entry moves right (a bigger table, or a
-/// compact sorted vector), it is done in place: the vector is extended (a
-/// `realloc`, which for large tables remaps pages rather than copying
-/// them) and the entries are moved from the last block down. When every
-/// entry moves left (a smaller table), it is done in place from the first
-/// one up. Otherwise a new vector is laid out.
-fn lay_out(v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box<[u64]>) {
+/// compact sorted vector), it is done in place: the array is extended
+/// ([`Slots::resize`], which never copies a large one) and the entries are
+/// moved from the last block down; a heap array that grows large is moved
+/// into a mapping of its own instead ([`move_right`]). When every entry
+/// moves left (a smaller table), it is done in place from the first one
+/// up. Otherwise a new array is laid out.
+fn lay_out(v: Slots, homes: usize, huge: bool) -> (Slots, usize, Box<[u64]>) {
     let (slots, homes, filter) = place(v, homes, huge);
     if huge {
         collapse_huge_pages(&slots);
@@ -165,7 +169,7 @@ fn lay_out(v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box<[
 }
 
 /// [`lay_out`] but for the slots' huge pages.
-fn place(mut v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box<[u64]>) {
+fn place(mut v: Slots, homes: usize, huge: bool) -> (Slots, usize, Box<[u64]>) {
     let mut homes = homes.max(16);
     loop {
         let len = slots_for(homes);
@@ -202,10 +206,16 @@ fn place(mut v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box
         if huge {
             advise_huge_pages(&filter);
         }
+        if right && len >= v.len() && !v.resizes_in_place(len) {
+            return (
+                move_right(v.into_heap(), &starts, len, homes, &mut filter),
+                homes,
+                filter,
+            );
+        }
         if right && len >= v.len() {
             let old = v.len();
-            v.reserve_exact(len - old);
-            v.resize(len, 0);
+            v.resize(len);
             // Entries only move right, so those of a block land past the
             // old slots of the blocks before it: moved from the last block
             // down, every slot written to is free or already moved from.
@@ -235,7 +245,7 @@ fn place(mut v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box
                     }
                 }
             }
-            return (v.into_boxed_slice(), homes, filter);
+            return (v, homes, filter);
         }
         if left {
             // Every entry before `q` already sits before the place of the
@@ -253,11 +263,10 @@ fn place(mut v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box
                     next = at + 1;
                 }
             }
-            v.truncate(len);
-            v.resize(len, 0);
-            return (v.into_boxed_slice(), homes, filter);
+            v.resize(len);
+            return (v, homes, filter);
         }
-        let mut slots = vec![0u128; len].into_boxed_slice();
+        let mut slots = Slots::zeroed(len);
         let mut next = 0;
         for &h in v.iter().filter(|&&s| s != 0) {
             let at = home_of(h, homes).max(next);
@@ -267,6 +276,44 @@ fn place(mut v: Vec<u128>, homes: usize, huge: bool) -> (Box<[u128]>, usize, Box
         }
         return (slots, homes, filter);
     }
+}
+
+/// Old blocks after which [`move_right`] gives back the part of the old
+/// array it has moved: 64 MiB of slots (fewer in tests, which are
+/// smaller).
+const RELEASE_BLOCKS: usize = if cfg!(test) { 16 } else { 4096 };
+
+/// The right-moving layout of [`place`] into a new array of `len` slots,
+/// for a heap array that grows large enough for a mapping of its own.
+/// It moves the entries from the last block down and gives back the old
+/// array's tail as it goes (a `realloc` that shrinks a large allocation
+/// unmaps its end), so that the two are not both whole at once.
+fn move_right(
+    mut v: Vec<u128>,
+    starts: &[usize],
+    len: usize,
+    homes: usize,
+    filter: &mut [u64],
+) -> Slots {
+    let mut slots = Slots::zeroed(len);
+    let old = v.len();
+    for (b, &start) in starts.iter().enumerate().rev() {
+        let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(old));
+        let mut next = start;
+        for &h in &v[lo..hi.min(v.len())] {
+            if h != 0 {
+                let at = home_of(h, homes).max(next);
+                slots[at] = h;
+                mark(filter, h);
+                next = at + 1;
+            }
+        }
+        if b % RELEASE_BLOCKS == 0 {
+            v.truncate(lo);
+            v.shrink_to_fit();
+        }
+    }
+    slots
 }
 
 /// Asks the kernel to back a large array with 2 MiB pages, now, and to
@@ -287,13 +334,15 @@ pub fn advise_huge_pages<T>(s: &[T]) {
     let _ = s;
 }
 
-/// [`advise_huge_pages`] for the table's slots, which are grown in place
-/// by `realloc`: only `MADV_COLLAPSE`, which moves the touched pages into
-/// huge pages without marking the range. A mark applies to whole 2 MiB
-/// pages, so it splits the allocation's mapping in three, and the kernel
-/// refuses to move a range that spans several mappings (`mremap` fails
-/// with `EFAULT`): every growth after one then copied the whole table
-/// into a new allocation, holding both meanwhile (BENCHMARKS.md).
+/// [`advise_huge_pages`] for the table's slots: only `MADV_COLLAPSE`,
+/// which moves the touched pages into huge pages without marking the
+/// range. A large table's slots have a mapping of its own, marked as a
+/// whole when it was made ([`Slots`]), so this only collapses the pages
+/// the kernel could not give huge at their first write. (A mark on part
+/// of a mapping splits it, and the kernel refuses to move a range that
+/// spans several (`mremap` fails with `EFAULT`): when the slots were on
+/// the heap, every growth after one copied the whole table,
+/// BENCHMARKS.md.)
 pub fn collapse_huge_pages<T>(s: &[T]) {
     #[cfg(target_os = "linux")]
     madvise_huge(s, &[libc::MADV_COLLAPSE]);
@@ -611,7 +660,7 @@ impl FpTable {
             zero = Some((v.remove(0) & TAG_MASK) as u32);
         }
         let len = v.len();
-        let (slots, homes, filter) = lay_out(v, len * 100 / load_pct + 1, true);
+        let (slots, homes, filter) = lay_out(Slots::from(v), len * 100 / load_pct + 1, true);
         FpTable {
             slots,
             filter,
@@ -704,7 +753,7 @@ impl FpTable {
     /// Lays the slots out over `homes` home slots with a new filter, the
     /// old one freed first; on huge pages with `huge` ([`lay_out`]).
     fn lay_out(&mut self, homes: usize, huge: bool) {
-        let slots = std::mem::take(&mut self.slots).into_vec();
+        let slots = std::mem::take(&mut self.slots);
         self.filter = Box::default();
         (self.slots, self.homes, self.filter) = lay_out(slots, homes, huge);
         self.huge = huge;
@@ -731,9 +780,9 @@ impl FpTable {
     /// Backs the slots and the filter with huge pages
     /// ([`collapse_huge_pages`], [`advise_huge_pages`]) if they were laid
     /// out since they last were: once per layout, not once per growth. A
-    /// table that grows or is purged in place is otherwise left on small
-    /// pages for good, which slows every random lookup in a large one by
-    /// a TLB miss (BENCHMARKS.md).
+    /// filter made while the table grows, and any slots the kernel gave
+    /// small pages, are otherwise left on them for good, which slows every
+    /// random lookup in a large table by a TLB miss (BENCHMARKS.md).
     pub fn settle_pages(&mut self) {
         if !self.huge {
             collapse_huge_pages(&self.slots);

@@ -302,7 +302,7 @@ fn a_grown_table_settles_on_huge_pages() {
         return;
     }
     // Grown by inserts to about 12 MiB of slots: laid out again at every
-    // growth, never advised.
+    // growth, with a new filter each time that is not advised.
     let mut t = FpTable::default();
     let mut x = 7;
     while t.len() < 600_000 {
@@ -312,6 +312,15 @@ fn a_grown_table_settles_on_huge_pages() {
         );
     }
     assert!(!t.huge, "a table grown by inserts counts as advised");
+    // Its slots have a mapping of their own, on huge pages from the first
+    // write: settling has no copy to make.
+    assert!(t.slots.is_mapped(), "about 12 MiB of slots on the heap");
+    let huge: u64 = mappings(&t.slots).iter().sum();
+    assert!(
+        huge * 2 >= size_of_val(&*t.slots) as u64,
+        "{huge} B of {} B of slots on huge pages before settling",
+        size_of_val(&*t.slots)
+    );
     t.settle_pages();
     assert!(t.huge);
     let slots: u64 = mappings(&t.slots).iter().sum();
@@ -354,41 +363,110 @@ fn canonical(hashes: &[u128], homes: usize) -> (Vec<u128>, Vec<u64>) {
     (slots, filter)
 }
 
+/// `slots` copied into an array of the kind a table of their length gets
+/// when it is made empty: a mapping of its own once they are large.
+fn made(slots: &[u128]) -> Slots {
+    let mut s = Slots::zeroed(slots.len());
+    s.copy_from_slice(slots);
+    s
+}
+
 #[test]
 fn layouts_in_either_direction_match_the_canonical_one() {
-    let mut x = 11;
-    let mut hashes: Vec<u128> = (0..20_000)
-        .map(|_| (u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x))) | 1)
-        .collect();
-    hashes.sort_unstable();
-    hashes.dedup();
-    let n = hashes.len();
-    // From a compact vector (every entry moves right), then from each
-    // layout to smaller (left), slightly larger (mostly right, some left:
-    // a new vector) and much larger (right) tables, over many blocks.
-    for first in [n * 100 / 85, n * 100 / 60, n * 3] {
-        let (slots, homes, filter) = lay_out(hashes.clone(), first, false);
-        let (want, want_filter) = canonical(&hashes, homes);
-        assert_eq!(&*slots, &want[..], "from compact to {homes} homes");
-        assert_eq!(&*filter, &want_filter[..]);
-        for to in [n * 100 / 90, n * 100 / 85, homes + homes / 12, homes * 4] {
-            let (again, to_homes, filter) = lay_out(slots.to_vec(), to, false);
-            let (want, want_filter) = canonical(&hashes, to_homes);
-            assert_eq!(&*again, &want[..], "from {homes} to {to_homes} homes");
+    // Small tables stay on the heap; large ones are laid out from the
+    // heap into a mapping and within it.
+    for n in [20_000, 300_000] {
+        let mut x = 11;
+        let mut hashes: Vec<u128> = (0..n)
+            .map(|_| (u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x))) | 1)
+            .collect();
+        hashes.sort_unstable();
+        hashes.dedup();
+        let n = hashes.len();
+        let large = slots_for(n) * 16 >= slots::MAPPED_BYTES;
+        // From a compact vector (every entry moves right), then from each
+        // layout to smaller (left), slightly larger (mostly right, some
+        // left: a new vector) and much larger (right) tables, over many
+        // blocks, from the heap and from a mapping.
+        for first in [n * 100 / 85, n * 100 / 60, n * 3] {
+            let (slots, homes, filter) = lay_out(Slots::from(hashes.clone()), first, false);
+            assert_eq!(slots.is_mapped(), large && cfg!(target_os = "linux"));
+            let (want, want_filter) = canonical(&hashes, homes);
+            assert_eq!(&*slots, &want[..], "from compact to {homes} homes");
             assert_eq!(&*filter, &want_filter[..]);
+            for to in [n * 100 / 90, n * 100 / 85, homes + homes / 12, homes * 4] {
+                for from in [Slots::from(slots.to_vec()), made(&slots)] {
+                    let mapped = from.is_mapped();
+                    let (again, to_homes, filter) = lay_out(from, to, false);
+                    let (want, want_filter) = canonical(&hashes, to_homes);
+                    assert_eq!(
+                        &*again,
+                        &want[..],
+                        "from {homes} to {to_homes} homes (mapped: {mapped})"
+                    );
+                    assert_eq!(&*filter, &want_filter[..]);
+                    assert!(!mapped || again.is_mapped(), "a mapping left for the heap");
+                }
+            }
         }
-    }
-    // Spread out, then compact: over four times as many homes the first
-    // half moves both ways and the second half right, so a new vector.
-    let mut spread = Vec::new();
-    for (i, &h) in hashes.iter().enumerate() {
-        spread.push(h);
-        if i < n / 2 {
-            spread.extend([0; 3]);
+        // Spread out, then compact: over four times as many homes the first
+        // half moves both ways and the second half right, so a new vector.
+        let mut spread = Vec::new();
+        for (i, &h) in hashes.iter().enumerate() {
+            spread.push(h);
+            if i < n / 2 {
+                spread.extend([0; 3]);
+            }
         }
+        let (slots, homes, filter) = lay_out(Slots::from(spread), n * 4, false);
+        let (want, want_filter) = canonical(&hashes, homes);
+        assert_eq!(&*slots, &want[..], "from spread out to {homes} homes");
+        assert_eq!(&*filter, &want_filter[..]);
     }
-    let (slots, homes, filter) = lay_out(spread, n * 4, false);
-    let (want, want_filter) = canonical(&hashes, homes);
-    assert_eq!(&*slots, &want[..], "from spread out to {homes} homes");
-    assert_eq!(&*filter, &want_filter[..]);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_mapping_keeps_its_slots_and_reads_zero_past_them() {
+    let Some(m) = slots::Mapping::with_room(1000, 1000) else {
+        panic!("no mapping of 2 MiB");
+    };
+    let room = m.reserved() / 16;
+    let mut s = Slots::Mapped(m);
+    let fill = |s: &mut Slots, from: usize| {
+        for (i, v) in s.iter_mut().enumerate().skip(from) {
+            *v = i as u128 + 1;
+        }
+    };
+    fill(&mut s, 0);
+    // Within the reservation, then past it (the pages move), then past it
+    // again by far.
+    for len in [room, room + 1, room * 3 + 5, room * 20] {
+        let before = s.len();
+        s.resize(len);
+        assert!(s.is_mapped());
+        assert_eq!(s.len(), len);
+        assert!(
+            s[..before]
+                .iter()
+                .enumerate()
+                .all(|(i, &v)| v == i as u128 + 1),
+            "slots changed growing from {before} to {len}"
+        );
+        assert!(s[before..].iter().all(|&v| v == 0), "new slots not empty");
+        fill(&mut s, before);
+    }
+    // Shrunk to a length inside a huge page, and to a boundary, then grown
+    // back: what was past the end reads zero again.
+    for len in [room * 7 + 3, room * 2] {
+        let top = s.len();
+        s.resize(len);
+        assert!(s.iter().enumerate().all(|(i, &v)| v == i as u128 + 1));
+        s.resize(top);
+        assert!(
+            s[len..].iter().all(|&v| v == 0),
+            "slots past {len} not zeroed"
+        );
+        fill(&mut s, len);
+    }
 }
