@@ -137,6 +137,15 @@ fn slots_for(homes: usize) -> usize {
 /// moves them.
 const BLOCK: usize = 1024;
 
+/// An empty filter for `homes` home slots. A large one is advised for
+/// huge pages before it is first written, which costs no copy, as it is
+/// never resized.
+fn new_filter(homes: usize) -> Box<[u64]> {
+    let filter = vec![0u64; filter_words(homes)].into_boxed_slice();
+    advise_huge_pages(&filter);
+    filter
+}
+
 /// Sets the filter bits of `h`.
 #[inline]
 fn mark(filter: &mut [u64], h: u128) {
@@ -147,9 +156,10 @@ fn mark(filter: &mut [u64], h: u128) {
 /// Lays out the entries held in `v` (ascending, with any number of empty
 /// slots between them) over at least `homes` home slots, and fills a new
 /// filter for them on the way. With `huge`, for a table that is then
-/// mostly read, the filter's pages are advised before they are touched
-/// and the slots are collapsed into huge pages once laid out. Returns the
-/// slots, the number of home slots used and the filter.
+/// mostly read, the slots are collapsed into huge pages once laid out
+/// (the pages the kernel could not give huge when they were first
+/// written). Returns the slots, the number of home slots used and the
+/// filter.
 ///
 /// The layout is canonical: each entry goes to `max(home, previous + 1)`.
 /// A first pass works out which way the entries move, without storing
@@ -161,7 +171,7 @@ fn mark(filter: &mut [u64], h: u128) {
 /// moves left (a smaller table), it is done in place from the first one
 /// up. Otherwise a new array is laid out.
 fn lay_out(v: Slots, homes: usize, huge: bool) -> (Slots, usize, Box<[u64]>) {
-    let (slots, homes, filter) = place(v, homes, huge);
+    let (slots, homes, filter) = place(v, homes);
     if huge {
         collapse_huge_pages(&slots);
     }
@@ -169,7 +179,7 @@ fn lay_out(v: Slots, homes: usize, huge: bool) -> (Slots, usize, Box<[u64]>) {
 }
 
 /// [`lay_out`] but for the slots' huge pages.
-fn place(mut v: Slots, homes: usize, huge: bool) -> (Slots, usize, Box<[u64]>) {
+fn place(mut v: Slots, homes: usize) -> (Slots, usize, Box<[u64]>) {
     let mut homes = homes.max(16);
     loop {
         let len = slots_for(homes);
@@ -202,10 +212,7 @@ fn place(mut v: Slots, homes: usize, huge: bool) -> (Slots, usize, Box<[u64]>) {
             homes += homes / 8 + 16;
             continue;
         }
-        let mut filter = vec![0u64; filter_words(homes)].into_boxed_slice();
-        if huge {
-            advise_huge_pages(&filter);
-        }
+        let mut filter = new_filter(homes);
         if right && len >= v.len() && !v.resizes_in_place(len) {
             return (
                 move_right(v.into_heap(), &starts, len, homes, &mut filter),
@@ -744,8 +751,9 @@ impl FpTable {
     }
 
     /// [`FpTable::rebuild`] for a table that grows under inserts or is
-    /// purged: no huge-page advice, which would cost a copy every time it
-    /// grows; [`FpTable::settle_pages`] gives it once the epoch closes.
+    /// purged: no collapse into huge pages, which would scan the table at
+    /// every growth; [`FpTable::settle_pages`] does it once the epoch
+    /// closes.
     fn grow(&mut self, homes: usize) {
         self.lay_out(homes, false);
     }
@@ -769,7 +777,7 @@ impl FpTable {
     /// Sizes the filter for the home slots and sets every entry's bits.
     fn refill(&mut self) {
         self.filter = Box::default();
-        let mut filter = vec![0u64; filter_words(self.homes)].into_boxed_slice();
+        let mut filter = new_filter(self.homes);
         for &h in self.slots.iter().filter(|&&s| s != 0) {
             mark(&mut filter, h);
         }

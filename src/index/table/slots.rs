@@ -108,7 +108,8 @@ impl Slots {
             if m.resize(len) {
                 return;
             }
-            // The kernel refused a larger reservation: on to the heap.
+            // The kernel refused a larger reservation or the move: the
+            // slots go to the heap, a copy.
             let mut v = Vec::with_capacity(len);
             v.extend_from_slice(m.as_slice());
             v.resize(len, 0);
@@ -157,10 +158,13 @@ mod mapping {
     /// that its pages can be huge from the first.
     const HUGE: usize = 2 << 20;
 
-    /// A reservation grown past is replaced by one this many times the new
-    /// length: address space costs nothing until it is written to, and a
-    /// table grows by a fifth at a time.
-    const RESERVE_FACTOR: usize = 4;
+    /// A reservation, when made or grown past, is this many times the
+    /// slots' length: a table grows by a fifth at a time, so about one
+    /// growth in four moves the pages. Address space costs nothing until
+    /// it is written to (`MAP_NORESERVE`), except where the kernel counts
+    /// every writable mapping against a limit (`vm.overcommit_memory` 2),
+    /// which is why the reservation is not larger.
+    const RESERVE_FACTOR: usize = 2;
 
     /// An anonymous private mapping of `reserved` bytes, aligned to a huge
     /// page and marked for huge pages, of which the first `len` slots are
@@ -303,8 +307,8 @@ mod mapping {
         }
 
         /// Moves the pages to a new reservation with room for `len` slots
-        /// and more, without copying them (or copies them, if the kernel
-        /// refuses the move). False if it refuses the reservation.
+        /// and more, without copying them. False, with the slots where
+        /// they were, if the kernel refuses the reservation or the move.
         fn move_to_room_for(&mut self, len: usize) -> bool {
             let Some(reserved) = len
                 .checked_mul(16 * RESERVE_FACTOR)
@@ -329,13 +333,14 @@ mod mapping {
                 )
             };
             if moved == libc::MAP_FAILED {
-                // SAFETY: `to` is a fresh reservation of `reserved` bytes,
-                // longer than the `self.len` slots copied into it, which
-                // cannot overlap it.
+                // The new reservation may be gone in part already (the
+                // move unmaps it first), so nothing is copied into it.
+                // SAFETY: the range is the reservation made above, ours
+                // alone; unmapping what of it is left touches nothing else.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), to.as_ptr(), self.len);
-                    libc::munmap(self.ptr.as_ptr().cast(), self.reserved);
+                    libc::munmap(to.as_ptr().cast(), reserved);
                 }
+                return false;
             }
             self.ptr = to;
             self.reserved = reserved;
