@@ -2,6 +2,7 @@
 //! copy, and on huge pages from its first write once it is large.
 
 use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
 
 /// Bytes of slots from which the array gets a mapping of its own (on
 /// Linux): two huge pages. Smaller arrays stay on the heap, where a huge
@@ -20,56 +21,77 @@ pub const MAPPED_BYTES: usize = 4 << 20;
 /// instead was extended by `realloc` on small pages, and had to be copied
 /// onto huge pages once its epoch closed (`MADV_COLLAPSE`), a pause of a
 /// few hundred milliseconds at 10M entries (BENCHMARKS.md).
-pub enum Slots {
-    /// On the heap.
-    Heap(Box<[u128]>),
-    /// In a mapping of its own.
-    #[cfg(target_os = "linux")]
-    Mapped(Mapping),
+pub struct Slots {
+    ptr: NonNull<u128>,
+    len: usize,
+    /// Bytes of address space of the mapping the slots have to themselves,
+    /// or 0 for a heap array (a `Box<[u128]>` of `len` slots).
+    reserved: usize,
 }
+
+// SAFETY: the slots are owned by this value alone, like a `Box`.
+unsafe impl Send for Slots {}
+// SAFETY: shared access only reads, like a `&[u128]`.
+unsafe impl Sync for Slots {}
 
 impl Default for Slots {
     fn default() -> Self {
-        Slots::Heap(Box::default())
+        Slots::from(Vec::new())
     }
 }
 
 impl std::fmt::Debug for Slots {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match self {
-            Slots::Heap(_) => "heap",
-            #[cfg(target_os = "linux")]
-            Slots::Mapped(_) => "mapped",
-        };
-        write!(f, "Slots({} {kind})", self.len())
+        let kind = if self.reserved == 0 { "heap" } else { "mapped" };
+        write!(f, "Slots({} {kind})", self.len)
     }
 }
 
 impl Deref for Slots {
     type Target = [u128];
 
+    #[inline]
     fn deref(&self) -> &[u128] {
-        match self {
-            Slots::Heap(b) => b,
-            #[cfg(target_os = "linux")]
-            Slots::Mapped(m) => m.as_slice(),
-        }
+        // SAFETY: `ptr` holds `len` initialized slots, in a box or in the
+        // mapping, owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl DerefMut for Slots {
+    #[inline]
     fn deref_mut(&mut self) -> &mut [u128] {
-        match self {
-            Slots::Heap(b) => b,
-            #[cfg(target_os = "linux")]
-            Slots::Mapped(m) => m.as_mut_slice(),
-        }
+        // SAFETY: as in `deref`, and `&mut self` makes it unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl From<Vec<u128>> for Slots {
     fn from(v: Vec<u128>) -> Self {
-        Slots::Heap(v.into_boxed_slice())
+        let b: &mut [u128] = Box::leak(v.into_boxed_slice());
+        Slots {
+            len: b.len(),
+            ptr: NonNull::from(b).cast(),
+            reserved: 0,
+        }
+    }
+}
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        if self.reserved == 0 {
+            // SAFETY: a heap array is the box `From<Vec<u128>>` leaked,
+            // of `len` slots, and is dropped once, here.
+            drop(unsafe {
+                Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    self.ptr.as_ptr(),
+                    self.len,
+                ))
+            });
+        } else {
+            #[cfg(target_os = "linux")]
+            mapping::unmap(self.ptr, self.reserved);
+        }
     }
 }
 
@@ -79,11 +101,11 @@ impl Slots {
     pub fn zeroed(len: usize) -> Self {
         #[cfg(target_os = "linux")]
         if len * 16 >= MAPPED_BYTES
-            && let Some(m) = Mapping::new(len)
+            && let Some((ptr, reserved)) = mapping::reserve_for(len)
         {
-            return Slots::Mapped(m);
+            return Slots { ptr, len, reserved };
         }
-        Slots::Heap(vec![0u128; len].into_boxed_slice())
+        Slots::from(vec![0u128; len])
     }
 
     /// Whether [`Slots::resize`] to `len` keeps the slots where they are
@@ -92,11 +114,7 @@ impl Slots {
     /// a mapping of its own, [`Slots::zeroed`]).
     #[must_use]
     pub fn resizes_in_place(&self, len: usize) -> bool {
-        match self {
-            Slots::Heap(_) => len * 16 < MAPPED_BYTES || cfg!(not(target_os = "linux")),
-            #[cfg(target_os = "linux")]
-            Slots::Mapped(_) => true,
-        }
+        self.reserved != 0 || len * 16 < MAPPED_BYTES || cfg!(not(target_os = "linux"))
     }
 
     /// Makes the array `len` slots long: slots past the old length are
@@ -104,17 +122,22 @@ impl Slots {
     /// every entry out of them).
     pub fn resize(&mut self, len: usize) {
         #[cfg(target_os = "linux")]
-        if let Slots::Mapped(m) = self {
-            if m.resize(len) {
+        if self.reserved != 0 {
+            if len < self.len {
+                mapping::shrink(self, len);
+                self.len = len;
+                return;
+            }
+            if len.checked_mul(16).is_some_and(|b| b <= self.reserved) {
+                self.len = len;
+                return;
+            }
+            if let Some((ptr, reserved)) = mapping::move_to_room_for(self.ptr, self.reserved, len) {
+                (self.ptr, self.reserved, self.len) = (ptr, reserved, len);
                 return;
             }
             // The kernel refused a larger reservation or the move: the
             // slots go to the heap, a copy.
-            let mut v = Vec::with_capacity(len);
-            v.extend_from_slice(m.as_slice());
-            v.resize(len, 0);
-            *self = Slots::from(v);
-            return;
         }
         let mut v = std::mem::take(self).into_heap();
         if len > v.len() {
@@ -128,35 +151,53 @@ impl Slots {
     /// a mapping.
     #[must_use]
     pub fn into_heap(self) -> Vec<u128> {
-        match self {
-            Slots::Heap(b) => b.into_vec(),
-            #[cfg(target_os = "linux")]
-            Slots::Mapped(m) => m.as_slice().to_vec(),
+        if self.reserved != 0 {
+            return self.to_vec();
         }
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: as in `drop`; `me` is not dropped, so the box is owned
+        // by the vector alone.
+        unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(me.ptr.as_ptr(), me.len)) }
+            .into_vec()
     }
 
     /// Whether the array has a mapping of its own.
     #[cfg(test)]
     #[must_use]
     pub fn is_mapped(&self) -> bool {
-        #[cfg(target_os = "linux")]
-        if let Slots::Mapped(_) = self {
-            return true;
-        }
-        false
+        self.reserved != 0
+    }
+
+    /// `len` empty slots in a mapping with room for `room` slots, rounded
+    /// up to a huge page, so that tests can grow past it.
+    #[cfg(all(test, target_os = "linux"))]
+    #[must_use]
+    pub fn mapped_with_room(len: usize, room: usize) -> Option<Self> {
+        let reserved = (room.max(len) * 16).max(1).next_multiple_of(mapping::HUGE);
+        Some(Slots {
+            ptr: mapping::reserve(reserved)?,
+            len,
+            reserved,
+        })
+    }
+
+    /// Bytes of address space reserved for a mapping, 0 on the heap.
+    #[cfg(test)]
+    #[must_use]
+    pub fn reserved(&self) -> usize {
+        self.reserved
     }
 }
-
-#[cfg(target_os = "linux")]
-pub use mapping::Mapping;
 
 #[cfg(target_os = "linux")]
 mod mapping {
     use std::ptr::NonNull;
 
+    use super::Slots;
+
     /// The size of a huge page, and the alignment of every reservation, so
     /// that its pages can be huge from the first.
-    const HUGE: usize = 2 << 20;
+    pub const HUGE: usize = 2 << 20;
 
     /// A reservation, when made or grown past, is this many times the
     /// slots' length: a table grows by a fifth at a time, so about one
@@ -166,29 +207,11 @@ mod mapping {
     /// which is why the reservation is not larger.
     const RESERVE_FACTOR: usize = 2;
 
-    /// An anonymous private mapping of `reserved` bytes, aligned to a huge
-    /// page and marked for huge pages, of which the first `len` slots are
-    /// the array. Bytes past `len` slots are zero: never written, or
-    /// zeroed or given back (`MADV_DONTNEED`) when the array shrank.
-    pub struct Mapping {
-        ptr: NonNull<u128>,
-        len: usize,
-        reserved: usize,
-    }
-
-    // SAFETY: the mapping is owned by this value alone, like a `Box`.
-    unsafe impl Send for Mapping {}
-    // SAFETY: shared access only reads, like a `&[u128]`.
-    unsafe impl Sync for Mapping {}
-
-    fn round_up(bytes: usize, to: usize) -> usize {
-        bytes.div_ceil(to) * to
-    }
-
     /// Reserves `bytes` (a multiple of `HUGE`) of address space aligned to
-    /// a huge page and marked for huge pages. Nothing is committed until
-    /// it is written to (`MAP_NORESERVE`).
-    fn reserve(bytes: usize) -> Option<NonNull<u128>> {
+    /// a huge page and marked for huge pages, or `None` if the kernel
+    /// refuses. Nothing is committed until it is written to
+    /// (`MAP_NORESERVE`); it reads as zero.
+    pub fn reserve(bytes: usize) -> Option<NonNull<u128>> {
         let over = bytes.checked_add(HUGE)?;
         // SAFETY: a new anonymous mapping at an address the kernel picks;
         // it touches no memory of this process.
@@ -206,7 +229,7 @@ mod mapping {
             return None;
         }
         let base = p as usize;
-        let start = round_up(base, HUGE);
+        let start = base.next_multiple_of(HUGE);
         // SAFETY: both ranges lie inside the mapping just made, which
         // nothing else knows of; they trim it to the aligned part.
         unsafe {
@@ -224,137 +247,80 @@ mod mapping {
         NonNull::new(start as *mut u128)
     }
 
-    impl Mapping {
-        /// `len` zero slots, or `None` if the kernel refuses the mapping.
-        pub fn new(len: usize) -> Option<Self> {
-            let reserved = round_up(len.checked_mul(16 * RESERVE_FACTOR)?.max(1), HUGE);
-            Some(Mapping {
-                ptr: reserve(reserved)?,
-                len,
-                reserved,
-            })
-        }
+    /// A reservation for `len` slots and room to grow: its start and size.
+    pub fn reserve_for(len: usize) -> Option<(NonNull<u128>, usize)> {
+        let bytes = len
+            .checked_mul(16 * RESERVE_FACTOR)?
+            .max(1)
+            .checked_next_multiple_of(HUGE)?;
+        Some((reserve(bytes)?, bytes))
+    }
 
-        /// A mapping with room for exactly `reserved_slots`, rounded up to
-        /// a huge page, so that tests can grow past it.
-        #[cfg(test)]
-        pub fn with_room(len: usize, reserved_slots: usize) -> Option<Self> {
-            let reserved = round_up((reserved_slots.max(len) * 16).max(1), HUGE);
-            Some(Mapping {
-                ptr: reserve(reserved)?,
-                len,
-                reserved,
-            })
-        }
-
-        /// Bytes of address space reserved.
-        #[cfg(test)]
-        pub fn reserved(&self) -> usize {
-            self.reserved
-        }
-
-        pub fn as_slice(&self) -> &[u128] {
-            // SAFETY: the first `len` slots lie inside the mapping, which
-            // is readable, aligned and owned by `self`.
-            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-        }
-
-        pub fn as_mut_slice(&mut self) -> &mut [u128] {
-            // SAFETY: as in `as_slice`, and `&mut self` makes it unique.
-            unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-        }
-
-        /// See [`super::Slots::resize`]; false, with nothing changed, if
-        /// the kernel refuses the larger reservation a growth needs.
-        #[must_use]
-        pub fn resize(&mut self, len: usize) -> bool {
-            if len < self.len {
-                self.shrink(len);
-            } else if len.checked_mul(16).is_none_or(|b| b > self.reserved)
-                && !self.move_to_room_for(len)
-            {
-                return false;
-            }
-            self.len = len;
-            true
-        }
-
-        /// Zeroes the slots from `len` on, giving whole huge pages of them
-        /// back to the kernel.
-        fn shrink(&mut self, len: usize) {
-            let base = self.ptr.as_ptr() as usize;
-            let (from, to) = (len * 16, self.len * 16);
-            // Zeroed by hand up to the next huge page boundary, which
-            // keeps the huge page the new end lies in whole.
-            let boundary = round_up(from, HUGE).min(to);
-            self.as_mut_slice()[len..boundary / 16].fill(0);
-            let end = round_up(to, 4096);
-            if end > boundary {
-                // SAFETY: a range of whole pages inside the mapping, past
-                // the new length; private anonymous pages read as zero
-                // after `MADV_DONTNEED`, as the invariant wants.
-                let r = unsafe {
-                    libc::madvise(
-                        (base + boundary) as *mut libc::c_void,
-                        end - boundary,
-                        libc::MADV_DONTNEED,
-                    )
-                };
-                if r != 0 {
-                    self.as_mut_slice()[boundary / 16..].fill(0);
-                }
-            }
-        }
-
-        /// Moves the pages to a new reservation with room for `len` slots
-        /// and more, without copying them. False, with the slots where
-        /// they were, if the kernel refuses the reservation or the move.
-        fn move_to_room_for(&mut self, len: usize) -> bool {
-            let Some(reserved) = len
-                .checked_mul(16 * RESERVE_FACTOR)
-                .and_then(|b| b.checked_next_multiple_of(HUGE))
-            else {
-                return false;
-            };
-            let Some(to) = reserve(reserved) else {
-                return false;
-            };
-            // SAFETY: moves this mapping, whole, over the start of the new
-            // reservation (`MREMAP_FIXED` replaces what is there), keeping
-            // its pages and its huge-page mark; the old range is unmapped
-            // by the move. Both are ours alone, aligned to huge pages.
-            let moved = unsafe {
-                libc::mremap(
-                    self.ptr.as_ptr().cast(),
-                    self.reserved,
-                    reserved,
-                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-                    to.as_ptr().cast::<libc::c_void>(),
-                )
-            };
-            if moved == libc::MAP_FAILED {
-                // The new reservation may be gone in part already (the
-                // move unmaps it first), so nothing is copied into it.
-                // SAFETY: the range is the reservation made above, ours
-                // alone; unmapping what of it is left touches nothing else.
-                unsafe {
-                    libc::munmap(to.as_ptr().cast(), reserved);
-                }
-                return false;
-            }
-            self.ptr = to;
-            self.reserved = reserved;
-            true
+    /// Unmaps a reservation.
+    pub fn unmap(ptr: NonNull<u128>, reserved: usize) {
+        // SAFETY: the whole reservation belongs to the slots being
+        // dropped or moved, and nothing refers to it past this point.
+        unsafe {
+            libc::munmap(ptr.as_ptr().cast(), reserved);
         }
     }
 
-    impl Drop for Mapping {
-        fn drop(&mut self) {
-            // SAFETY: the whole reservation is ours and nothing refers to
-            // it past this point.
-            unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), self.reserved);
+    /// Zeroes the mapped slots from `len` on, giving whole huge pages of
+    /// them back to the kernel, so that all past the new length reads zero.
+    pub fn shrink(s: &mut Slots, len: usize) {
+        let base = s.ptr.as_ptr() as usize;
+        let (from, to) = (len * 16, s.len * 16);
+        // Zeroed by hand up to the next huge page boundary, which keeps
+        // the huge page the new end lies in whole.
+        let boundary = from.next_multiple_of(HUGE).min(to);
+        s[len..boundary / 16].fill(0);
+        let end = to.next_multiple_of(4096);
+        if end > boundary {
+            // SAFETY: a range of whole pages inside the mapping, past the
+            // new length; private anonymous pages read as zero after
+            // `MADV_DONTNEED`, as the slots want.
+            let r = unsafe {
+                libc::madvise(
+                    (base + boundary) as *mut libc::c_void,
+                    end - boundary,
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if r != 0 {
+                s[boundary / 16..].fill(0);
             }
         }
+    }
+
+    /// Moves a reservation's pages to a new one with room for `len` slots
+    /// and more, without copying them: the new start and size. `None`,
+    /// with the slots where they were, if the kernel refuses the
+    /// reservation or the move.
+    pub fn move_to_room_for(
+        ptr: NonNull<u128>,
+        reserved: usize,
+        len: usize,
+    ) -> Option<(NonNull<u128>, usize)> {
+        let (to, bytes) = reserve_for(len)?;
+        // SAFETY: moves the old mapping, whole, over the start of the new
+        // reservation (`MREMAP_FIXED` replaces what is there), keeping its
+        // pages and its huge-page mark; the old range is unmapped by the
+        // move. Both are ours alone, aligned to huge pages.
+        let moved = unsafe {
+            libc::mremap(
+                ptr.as_ptr().cast(),
+                reserved,
+                bytes,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                to.as_ptr().cast::<libc::c_void>(),
+            )
+        };
+        if moved == libc::MAP_FAILED {
+            // The new reservation may be gone in part already (the move
+            // unmaps it first), so nothing is copied into it.
+            unmap(to, bytes);
+            return None;
+        }
+        Some((to, bytes))
     }
 }

@@ -428,11 +428,10 @@ fn layouts_in_either_direction_match_the_canonical_one() {
 #[cfg(target_os = "linux")]
 #[test]
 fn a_mapping_keeps_its_slots_and_reads_zero_past_them() {
-    let Some(m) = slots::Mapping::with_room(1000, 1000) else {
+    let Some(mut s) = Slots::mapped_with_room(1000, 1000) else {
         panic!("no mapping of 2 MiB");
     };
-    let room = m.reserved() / 16;
-    let mut s = Slots::Mapped(m);
+    let room = s.reserved() / 16;
     let fill = |s: &mut Slots, from: usize| {
         for (i, v) in s.iter_mut().enumerate().skip(from) {
             *v = i as u128 + 1;
