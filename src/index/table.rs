@@ -307,7 +307,7 @@ fn move_right(
     for (b, &start) in starts.iter().enumerate().rev() {
         let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(old));
         let mut next = start;
-        for &h in &v[lo..hi.min(v.len())] {
+        for &h in &v[lo..hi] {
             if h != 0 {
                 let at = home_of(h, homes).max(next);
                 slots[at] = h;
