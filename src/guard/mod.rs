@@ -777,7 +777,7 @@ impl Guard {
             prefetch(&self.lanes, probes.get(i + near), true);
             let lane = p.lane.0 as usize;
             let found = self.find(lane, p.offset, p.fp)?;
-            let v = self.record_found(lane, p.offset, p.fp, found)?;
+            let v = self.record_found::<false>(lane, p.offset, p.fp, found)?;
             verdicts.push(v);
         }
         Ok(())
@@ -903,12 +903,15 @@ impl Guard {
         fp: Option<Fingerprint>,
     ) -> Result<Verdict> {
         let found = self.find(lane, offset, fp)?;
-        self.record_found(lane, offset, fp, found)
+        self.record_found::<true>(lane, offset, fp, found)
     }
 
-    /// Records a looked-up record unless it was found.
+    /// Records a looked-up record unless it was found. `ONE`: the caller
+    /// records one record a call, so the index places its hash with the
+    /// lane's next ones ([`LaneIndex::insert_open`]); a batch has fetched
+    /// its slots already.
     #[inline]
-    fn record_found(
+    fn record_found<const ONE: bool>(
         &mut self,
         lane: usize,
         offset: Option<u64>,
@@ -920,7 +923,11 @@ impl Guard {
         }
         let epoch = self.epoch;
         let l = &mut self.lanes[lane];
-        l.index.insert(epoch, offset, fp);
+        if ONE {
+            l.index.insert_open(epoch, offset, fp);
+        } else {
+            l.index.insert(epoch, offset, fp);
+        }
         if let Some(o) = offset {
             l.pending.offsets.insert(o);
             self.stats.live_offsets += 1;
@@ -1273,7 +1280,7 @@ impl Guard {
         let mut n = 0;
         let mut one = |g: &mut Guard, offset: Option<u64>, fp: Option<Fingerprint>| -> Result<()> {
             if g.find(lane, offset, fp)?.is_none() {
-                g.record_found(lane, offset, fp, None)?;
+                g.record_found::<true>(lane, offset, fp, None)?;
                 n += 1;
             }
             Ok(())

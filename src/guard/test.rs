@@ -499,6 +499,11 @@ impl Fp {
 enum Op {
     Check(usize, Option<u64>, Option<Fp>),
     Record(usize, Option<u64>, Option<Fp>),
+    /// `check_many` and `record_many`: the same answers as one call a
+    /// probe, with hashes recorded one call at a time still waiting to be
+    /// placed in the table.
+    CheckMany(Vec<(usize, Option<u64>, Option<Fp>)>),
+    RecordMany(Vec<(usize, Option<u64>, Option<Fp>)>),
     Flush,
     Checkpoint(Vec<(usize, u64)>),
     /// Drop the guard without a checkpoint and reopen; then ask about the
@@ -523,9 +528,12 @@ fn op_strategy(lanes: usize) -> impl Strategy<Value = Op> {
     // land behind offsets already handled (as while replaying).
     let position = prop_oneof![3 => 0..OFFSETS + 2, 1 => 0..1_000u64];
     let positions = prop::collection::vec((0..lanes, position), 0..=lanes);
+    let batch = || prop::collection::vec((0..lanes, offset.clone(), fp_strategy()), 1..6);
     prop_oneof![
         20 => (lane.clone(), offset.clone(), fp_strategy()).prop_map(|(l, o, f)| Op::Check(l, o, f)),
-        30 => (lane, offset, fp_strategy()).prop_map(|(l, o, f)| Op::Record(l, o, f)),
+        30 => (lane, offset.clone(), fp_strategy()).prop_map(|(l, o, f)| Op::Record(l, o, f)),
+        3 => batch().prop_map(Op::CheckMany),
+        4 => batch().prop_map(Op::RecordMany),
         3 => Just(Op::Flush),
         4 => positions.clone().prop_map(Op::Checkpoint),
         3 => (0..lanes).prop_map(Op::Crash),
@@ -826,6 +834,27 @@ fn run_model(
                 let id = s.lane(*lane)?;
                 let got = s.guard()?.record(id, *o, f)?;
                 prop_assert_eq!(got, m.record(*lane, *o, f), "step {}: {:?}", step, op);
+            }
+            Op::CheckMany(batch) | Op::RecordMany(batch) => {
+                let record = matches!(op, Op::RecordMany(_));
+                let mut probes = Vec::new();
+                let mut want = Vec::new();
+                for &(lane, o, f) in batch {
+                    let f = f.map(Fp::get);
+                    probes.push(Probe::new(s.lane(lane)?, o, f));
+                    want.push(if record {
+                        m.record(lane, o, f)
+                    } else {
+                        m.check(lane, o, f)
+                    });
+                }
+                let mut got = Vec::new();
+                if record {
+                    s.guard()?.record_many(&probes, &mut got)?;
+                } else {
+                    s.guard()?.check_many(&probes, &mut got)?;
+                }
+                prop_assert_eq!(got, want, "step {}: {:?}", step, op);
             }
             Op::Flush => {
                 s.guard()?.flush()?;

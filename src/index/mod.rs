@@ -8,6 +8,9 @@
 //!   lane's floor, below which entries no longer answer. An insert takes
 //!   the slot of the first such entry its shift meets, and the table is
 //!   purged in one in-place pass once a quarter of it is below the floor.
+//!   Hashes recorded one call at a time wait in a small buffer of the lane
+//!   (read by every lookup) and are placed sixteen at a time, so that the
+//!   cache misses of their inserts overlap as a batch's do.
 //! - **Offsets and user ids** of the open epoch are in its own roaring
 //!   bitmaps; those of all sealed epochs are also in one union per lane,
 //!   so a record that none of them holds is answered by two bitmap
@@ -26,7 +29,7 @@ use std::collections::VecDeque;
 use roaring::RoaringTreemap;
 
 pub use bloom::DiskFilter;
-pub use table::{Aim, FAR_SLOTS, FpTable, Insert, TAG_SPAN, key_of, tag_of, tagged};
+pub use table::{Aim, FAR_SLOTS, FpTable, Insert, TAG_SPAN, key_of, tag_in, tag_of, tagged};
 
 use crate::fingerprint::Fingerprint;
 
@@ -188,7 +191,18 @@ pub struct LaneIndex {
     /// Serialized bytes of the sealed epochs' bitmaps and unions, as of
     /// the last change.
     sealed_bitmap_bytes: usize,
+    /// Hashes of the open epoch recorded one call at a time and not yet in
+    /// `hashes`, made by [`tagged`]: they go in `DEFERRED` at a time, their
+    /// slots fetched together, so that their cache misses overlap. Every
+    /// lookup reads them too; anything else that reads or reshapes the
+    /// table places them first.
+    deferred: Vec<u128>,
 }
+
+/// Hashes recorded one call at a time that wait to be placed in the table
+/// together (see `LaneIndex::deferred`). Tests wait for fewer, so that
+/// their small runs fill the buffer often.
+const DEFERRED: usize = if cfg!(test) { 4 } else { 16 };
 
 impl LaneIndex {
     /// A lane whose open epoch is `open` and whose oldest live epoch is
@@ -213,6 +227,11 @@ impl LaneIndex {
     /// The epoch's index, created when absent. Epochs are created in
     /// ascending order, except on load.
     fn epoch_mut(&mut self, epoch: u64) -> &mut EpochIndex {
+        // The open epoch, last, is the one records go to.
+        if self.epochs.back().is_some_and(|e| e.epoch == epoch) {
+            let last = self.epochs.len() - 1;
+            return &mut self.epochs[last];
+        }
         let at = match self.epochs.binary_search_by_key(&epoch, |e| e.epoch) {
             Ok(at) => at,
             Err(at) => {
@@ -272,8 +291,28 @@ impl LaneIndex {
             Some(a) => self.hashes.get_aimed(a),
             None => self.hashes.get(h),
         };
-        let e = self.epoch_of(tag?);
-        (e >= self.floor).then_some(e)
+        if let Some(t) = tag {
+            let e = self.epoch_of(t);
+            if e >= self.floor {
+                return Some(e);
+            }
+        }
+        if self.deferred.is_empty() {
+            None
+        } else {
+            self.deferred_epoch(h)
+        }
+    }
+
+    /// The epoch of the hash among those not yet placed in the table: the
+    /// open one, if it is there.
+    #[inline(never)]
+    fn deferred_epoch(&self, h: u128) -> Option<u64> {
+        let key = key_of(h);
+        self.deferred
+            .iter()
+            .any(|&d| key_of(d) == key)
+            .then_some(self.open)
     }
 
     /// Looks a record up in every live epoch.
@@ -384,24 +423,11 @@ impl LaneIndex {
     /// older one). The caller has looked it up first: inserting a duplicate
     /// is a logic error.
     pub fn insert(&mut self, epoch: u64, offset: Option<u64>, fp: Option<Fingerprint>) {
-        let floor = self.floor;
-        let open = self.open;
-        let sealed = epoch < open;
+        let sealed = epoch < self.open;
         if let Some(Fingerprint::Hash(h)) = fp {
-            let dead = |tag: u32| {
-                let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
-                open.wrapping_sub(back) < floor
-            };
-            let added = if self.below_floor > 0 {
-                self.hashes.insert_reusing(h, tag_of(epoch), dead)
-            } else {
-                self.hashes.insert(h, tag_of(epoch), dead)
-            };
-            match added {
-                Insert::Added => {}
-                // One entry fewer below the floor for the next purge to find.
-                Insert::Replaced => self.below_floor = self.below_floor.saturating_sub(1),
-                Insert::Present(_) => return self.insert_bitmaps(epoch, offset, None, sealed),
+            self.place_deferred();
+            if !self.place(tagged(h, tag_of(epoch))) {
+                return self.insert_bitmaps(epoch, offset, None, sealed);
             }
             self.epoch_mut(epoch).hashes += 1;
             self.live_fps += 1;
@@ -411,6 +437,80 @@ impl LaneIndex {
             _ => None,
         };
         self.insert_bitmaps(epoch, offset, id, sealed);
+    }
+
+    /// [`LaneIndex::insert`] into the open epoch, `epoch`, for a caller
+    /// that records one record at a time: a hash joins the table with the
+    /// lane's next `DEFERRED` - 1 such hashes, their slots fetched
+    /// together, so that their cache misses overlap (BENCHMARKS.md, "One
+    /// call a record"). Lookups find it at once.
+    pub fn insert_open(&mut self, epoch: u64, offset: Option<u64>, fp: Option<Fingerprint>) {
+        debug_assert_eq!(epoch, self.open, "records go to the open epoch");
+        let open = self.open;
+        let id = match fp {
+            Some(Fingerprint::Hash(h)) => {
+                self.deferred.push(tagged(h, tag_of(open)));
+                self.epoch_mut(open).hashes += 1;
+                self.live_fps += 1;
+                if self.deferred.len() >= DEFERRED {
+                    self.place_deferred();
+                }
+                None
+            }
+            Some(Fingerprint::Id(id)) => Some(id),
+            None => None,
+        };
+        self.insert_bitmaps(open, offset, id, false);
+    }
+
+    /// Places the deferred hashes in the table, their first two slot lines
+    /// fetched for all of them before the first is placed.
+    pub fn place_deferred(&mut self) {
+        if self.deferred.is_empty() {
+            return;
+        }
+        let mut deferred = std::mem::take(&mut self.deferred);
+        for &d in &deferred {
+            self.hashes.prefetch_slots::<false>(d, 2);
+        }
+        for &d in &deferred {
+            if !self.place(d) {
+                // The caller looked each one up first, so this is not
+                // expected; the counts stay true if it happens.
+                let e = self.epoch_of(tag_in(d));
+                let at = self.epoch_mut(e);
+                at.hashes = at.hashes.saturating_sub(1);
+                self.live_fps = self.live_fps.saturating_sub(1);
+            }
+        }
+        deferred.clear();
+        self.deferred = deferred;
+    }
+
+    /// Puts an entry made by [`tagged`] in the table, in the place of a
+    /// dead entry where the insert meets one. False if a live entry holds
+    /// its key already.
+    fn place(&mut self, entry: u128) -> bool {
+        let (open, floor) = (self.open, self.floor);
+        let dead = |tag: u32| {
+            let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
+            open.wrapping_sub(back) < floor
+        };
+        let tag = tag_in(entry);
+        let added = if self.below_floor > 0 {
+            self.hashes.insert_reusing(entry, tag, dead)
+        } else {
+            self.hashes.insert(entry, tag, dead)
+        };
+        match added {
+            Insert::Added => true,
+            // One entry fewer below the floor for the next purge to find.
+            Insert::Replaced => {
+                self.below_floor = self.below_floor.saturating_sub(1);
+                true
+            }
+            Insert::Present(_) => false,
+        }
     }
 
     fn insert_bitmaps(&mut self, epoch: u64, offset: Option<u64>, id: Option<u64>, sealed: bool) {
@@ -492,6 +592,7 @@ impl LaneIndex {
     /// by [`tagged`]: all of a lane's epochs at once, so the table is laid
     /// out once.
     pub fn load_hashes(&mut self, entries: Vec<u128>) {
+        debug_assert!(self.deferred.is_empty(), "a lane loads before it records");
         self.hashes = FpTable::from_tagged(entries, table::PACKED_LOAD_PCT);
         let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
         let open = self.open;
@@ -536,6 +637,9 @@ impl LaneIndex {
     /// A table laid out again during the epoch (grown or purged) is
     /// moved onto huge pages, one copy of it, at most once a checkpoint.
     pub fn close(&mut self, next: u64) {
+        self.place_deferred();
+        // A lane that records no more gives the buffer back.
+        self.deferred = Vec::new();
         if let Some(last) = self.epochs.back_mut()
             && last.epoch == self.open
         {
@@ -577,6 +681,7 @@ impl LaneIndex {
     /// purged once a quarter of it is below the floor, or when its oldest
     /// tags would soon be ambiguous.
     pub fn drop_before(&mut self, oldest_live: u64) {
+        self.place_deferred();
         while self.epochs.front().is_some_and(|e| e.epoch < oldest_live) {
             let Some(e) = self.epochs.pop_front() else {
                 break;
@@ -608,6 +713,7 @@ impl LaneIndex {
         if floor <= self.floor {
             return;
         }
+        self.place_deferred();
         for e in self.epochs.iter() {
             if e.epoch >= self.floor && e.epoch < floor {
                 self.below_floor += e.hashes;
@@ -646,7 +752,11 @@ impl LaneIndex {
     }
 
     /// [`LaneIndex::hashes_in`] as an iterator.
+    ///
+    /// The open epoch's hashes are all there once
+    /// [`LaneIndex::place_deferred`] ran, as every checkpoint does.
     pub fn iter_hashes_in(&self, from: u64, to: u64) -> impl Iterator<Item = (u128, u64)> + '_ {
+        debug_assert!(to <= self.open || self.deferred.is_empty());
         self.hashes
             .iter()
             .map(|(key, tag)| (key, self.epoch_of(tag)))
@@ -718,6 +828,7 @@ impl LaneIndex {
             .filter(|e| self.is_open(e))
             .map_or(0, EpochIndex::bitmap_bytes);
         self.hashes.memory_bytes()
+            + self.deferred.capacity() * std::mem::size_of::<u128>()
             + open
             + self.sealed_bitmap_bytes
             + bitmap_bytes(&self.sealed_offsets)
@@ -729,10 +840,14 @@ impl LaneIndex {
                 .map_or(0, DiskFilter::memory_bytes)
     }
 
-    /// Bytes of the table alone, and its entries (live or not).
+    /// Bytes of the table alone, and its entries (live or not), those
+    /// waiting to be placed included.
     #[must_use]
     pub fn table_bytes(&self) -> (usize, usize) {
-        (self.hashes.memory_bytes(), self.hashes.len())
+        (
+            self.hashes.memory_bytes(),
+            self.hashes.len() + self.deferred.len(),
+        )
     }
 }
 

@@ -58,6 +58,13 @@ pub fn tagged(h: u128, tag: u32) -> u128 {
     key_of(h) | u128::from(tag) & TAG_MASK
 }
 
+/// The tag of an entry made by [`tagged`].
+#[inline]
+#[must_use]
+pub fn tag_in(entry: u128) -> u32 {
+    (entry & TAG_MASK) as u32
+}
+
 /// The tag of an epoch.
 #[inline]
 #[must_use]
