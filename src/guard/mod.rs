@@ -878,7 +878,9 @@ impl Guard {
     ///
     /// The record is known in memory at once, and reaches the store with the
     /// lane's next chunk (every `chunk_records`, at [`Guard::flush`], or at a
-    /// checkpoint).
+    /// checkpoint). Records that arrive together, such as one poll's worth,
+    /// go faster through [`Guard::record_many`], which fetches what the
+    /// next lookups will read while it answers this one.
     ///
     /// # Errors
     ///
