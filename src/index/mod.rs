@@ -465,7 +465,7 @@ impl LaneIndex {
 
     /// Places the deferred hashes in the table, their first two slot lines
     /// fetched for all of them before the first is placed.
-    pub fn place_deferred(&mut self) {
+    fn place_deferred(&mut self) {
         if self.deferred.is_empty() {
             return;
         }
@@ -753,8 +753,8 @@ impl LaneIndex {
 
     /// [`LaneIndex::hashes_in`] as an iterator.
     ///
-    /// The open epoch's hashes are all there once
-    /// [`LaneIndex::place_deferred`] ran, as every checkpoint does.
+    /// The open epoch's hashes are all there once the lane's waiting ones
+    /// were placed, as every checkpoint does.
     pub fn iter_hashes_in(&self, from: u64, to: u64) -> impl Iterator<Item = (u128, u64)> + '_ {
         debug_assert!(to <= self.open || self.deferred.is_empty());
         self.hashes

@@ -477,7 +477,7 @@ impl FpTable {
         let from = home_of(key, self.homes);
         for &s in self.slots.get(from..).unwrap_or_default() {
             if s == 0 || s >= key {
-                return (s != 0 && s & KEY_MASK == key).then_some((s & TAG_MASK) as u32);
+                return (s != 0 && s & KEY_MASK == key).then_some(tag_in(s));
             }
         }
         None
@@ -599,7 +599,7 @@ impl FpTable {
                     .unwrap_or(0);
             let s = self.slots[i];
             if s != 0 && s & KEY_MASK == key {
-                let t = (s & TAG_MASK) as u32;
+                let t = tag_in(s);
                 if !dead(t) {
                     return Insert::Present(t);
                 }
@@ -615,7 +615,7 @@ impl FpTable {
             // set, as they do until a purge.
             let end = self.slots[i..]
                 .iter()
-                .position(|&s| s == 0 || (REUSE && dead((s & TAG_MASK) as u32)));
+                .position(|&s| s == 0 || (REUSE && dead(tag_in(s))));
             match end.map(|e| i + e) {
                 Some(j) if j + 1 < self.slots.len() => {
                     let reused = self.slots[j] != 0;
@@ -671,7 +671,7 @@ impl FpTable {
         });
         let mut zero = None;
         if v.first().is_some_and(|&s| s & KEY_MASK == 0) {
-            zero = Some((v.remove(0) & TAG_MASK) as u32);
+            zero = Some(tag_in(v.remove(0)));
         }
         let len = v.len();
         let (slots, homes, filter) = lay_out(Slots::from(v), len * 100 / load_pct + 1, true);
@@ -705,7 +705,7 @@ impl FpTable {
                 continue;
             }
             self.slots[q] = 0;
-            if drop((s & TAG_MASK) as u32) {
+            if drop(tag_in(s)) {
                 continue;
             }
             let at = home_of(s, self.homes).max(next);
@@ -753,7 +753,7 @@ impl FpTable {
             self.slots
                 .iter()
                 .filter(|&&s| s != 0)
-                .map(|&s| (s & KEY_MASK, (s & TAG_MASK) as u32)),
+                .map(|&s| (s & KEY_MASK, tag_in(s))),
         )
     }
 
