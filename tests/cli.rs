@@ -680,6 +680,65 @@ fn pipe_stops_when_the_broker_refuses_its_commit_metadata_as_too_large() -> Test
     Ok(())
 }
 
+/// The refusal again, but of a periodic checkpoint's commit, which is
+/// asynchronous and whose outcome librdkafka does not report. The broker
+/// takes the claim's metadata, and a checkpoint's while the output offset
+/// has two digits at most, and refuses it from the third on. A commit whose
+/// metadata is longer than any the broker has taken is made
+/// synchronously, so the run stops on it; without that rule it ran on
+/// until killed, its group never learning where its outputs end.
+#[test]
+fn pipe_stops_when_a_periodic_commit_outgrows_what_the_broker_took() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start_with(
+        replayguard_testkit::KafkaOptions {
+            properties: vec![format!("offset.metadata.max.bytes={GROWN_METADATA_LIMIT}")],
+            ..Default::default()
+        },
+        &[("in", 1), ("out", 8)],
+    )?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=400)?;
+    let state = tempfile::tempdir()?;
+    // No end to stop at, so only an error ends the run, and nothing but
+    // the periodic checkpoints commit after the claim.
+    let run = run_bounded(
+        &mut kafka_pipe(
+            &bootstrap,
+            "grown",
+            state.path(),
+            &["--checkpoint-interval", "300ms"],
+        ),
+        RUN_LIMIT,
+    )?;
+    let stderr = text(&run.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    if run.status.code() != Some(1)
+        || !last.starts_with("replayguard: error: ")
+        || !last.contains("offset.metadata.max.bytes")
+        || !last.contains("its metadata of 110 bytes")
+    {
+        return Err(format!(
+            "expected the checkpoint's refusal, got {}: {stderr}",
+            run.status
+        )
+        .into());
+    }
+    // The claim was taken: the refusal came later, at a checkpoint, after
+    // outputs were written.
+    let written = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    if written.is_empty() {
+        return Err(format!("no output before the refusal: {stderr}").into());
+    }
+    Ok(())
+}
+
+/// What the broker takes in the test above. The metadata is JSON: the output topic, its eight partitions' ends
+/// (`"0":400,"1":0,...`: outputs go to the input's partition, 0), the
+/// folder's 16-digit token, the clean flag and the in-flight bound (16000
+/// ms by default). The claim's, all ends 0, is 108 bytes; with 10 to 99
+/// outputs 109; with 100 or more 110, refused.
+const GROWN_METADATA_LIMIT: usize = 109;
+
 #[test]
 fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {
     let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
