@@ -137,6 +137,21 @@ pub enum Lookup {
     },
 }
 
+/// The epoch of a tag, read relative to the open epoch: the newest epoch
+/// at or below it with that tag.
+#[inline]
+fn epoch_of_tag(open: u64, tag: u32) -> u64 {
+    let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
+    open.wrapping_sub(back)
+}
+
+/// Whether a tag's epoch, read relative to `open`, is below `floor`: its
+/// entry no longer answers and its slot may be taken or purged.
+#[inline]
+fn below(open: u64, floor: u64) -> impl Fn(u32) -> bool + Copy {
+    move |tag| epoch_of_tag(open, tag) < floor
+}
+
 /// Combines the newest epoch holding the position with the newest epoch
 /// holding the content: the newer one answers, and position wins a tie.
 #[must_use]
@@ -220,8 +235,7 @@ impl LaneIndex {
     /// The epoch of a tag, relative to the open epoch.
     #[inline]
     fn epoch_of(&self, tag: u32) -> u64 {
-        let back = (tag_of(self.open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
-        self.open.wrapping_sub(back)
+        epoch_of_tag(self.open, tag)
     }
 
     /// The epoch's index, created when absent. Epochs are created in
@@ -491,11 +505,7 @@ impl LaneIndex {
     /// dead entry where the insert meets one. False if a live entry holds
     /// its key already.
     fn place(&mut self, entry: u128) -> bool {
-        let (open, floor) = (self.open, self.floor);
-        let dead = |tag: u32| {
-            let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
-            open.wrapping_sub(back) < floor
-        };
+        let dead = below(self.open, self.floor);
         let tag = tag_in(entry);
         let added = if self.below_floor > 0 {
             self.hashes.insert_reusing(entry, tag, dead)
@@ -597,8 +607,7 @@ impl LaneIndex {
         let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
         let open = self.open;
         self.hashes.for_each(|_, tag| {
-            let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
-            *counts.entry(open.wrapping_sub(back)).or_default() += 1;
+            *counts.entry(epoch_of_tag(open, tag)).or_default() += 1;
         });
         for (e, n) in counts {
             self.epoch_mut(e).hashes = n;
@@ -735,11 +744,7 @@ impl LaneIndex {
     }
 
     fn purge(&mut self) {
-        let (open, floor) = (self.open, self.floor);
-        self.hashes.purge(|tag| {
-            let back = (tag_of(open).wrapping_sub(tag) as u64) & (TAG_SPAN - 1);
-            open.wrapping_sub(back) < floor
-        });
+        self.hashes.purge(below(self.open, self.floor));
         self.below_floor = 0;
     }
 
