@@ -648,19 +648,8 @@ fn pipe_stops_when_the_broker_refuses_its_commit_metadata_as_too_large() -> Test
     produce_integers(&bootstrap, "in", 1..=100)?;
     let state = tempfile::tempdir()?;
     let pipe = |extra: &[&str]| kafka_pipe(&bootstrap, "refused", state.path(), extra);
-    let refused = |out: &Output, run: &str| -> TestResult {
-        let stderr = text(&out.stderr);
-        let last = stderr.lines().last().unwrap_or_default();
-        if out.status.code() != Some(1)
-            || !last.starts_with("replayguard: error: ")
-            || !last.contains("offset.metadata.max.bytes")
-            || !last.contains("output and changelog partitions")
-        {
-            return Err(
-                format!("{run}: expected the refusal, got {}: {stderr}", out.status).into(),
-            );
-        }
-        Ok(())
+    let refused = |out: &Output, run: &str| {
+        expect_metadata_refused(out, run, "output and changelog partitions")
     };
     // The first commit with this metadata is the claim of the arriving
     // partition, before its first output: the run stops there, with or
@@ -710,34 +699,40 @@ fn pipe_stops_when_a_periodic_commit_outgrows_what_the_broker_took() -> TestResu
         ),
         RUN_LIMIT,
     )?;
-    let stderr = text(&run.stderr);
-    let last = stderr.lines().last().unwrap_or_default();
-    if run.status.code() != Some(1)
-        || !last.starts_with("replayguard: error: ")
-        || !last.contains("offset.metadata.max.bytes")
-        || !last.contains("its metadata of 110 bytes")
-    {
-        return Err(format!(
-            "expected the checkpoint's refusal, got {}: {stderr}",
-            run.status
-        )
-        .into());
-    }
+    let one_byte_over = format!("its metadata of {} bytes", GROWN_METADATA_LIMIT + 1);
+    expect_metadata_refused(&run, "the checkpoint", &one_byte_over)?;
     // The claim was taken: the refusal came later, at a checkpoint, after
     // outputs were written.
     let written = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
     if written.is_empty() {
-        return Err(format!("no output before the refusal: {stderr}").into());
+        return Err(format!("no output before the refusal: {}", text(&run.stderr)).into());
     }
     Ok(())
 }
 
-/// What the broker takes in the test above. The metadata is JSON: the output topic, its eight partitions' ends
-/// (`"0":400,"1":0,...`: outputs go to the input's partition, 0), the
-/// folder's 16-digit token, the clean flag and the in-flight bound (16000
-/// ms by default). The claim's, all ends 0, is 108 bytes; with 10 to 99
-/// outputs 109; with 100 or more 110, refused.
+/// What the broker takes in the test above. The metadata is JSON: the
+/// output topic, its eight partitions' ends (`"0":400,"1":0,...`: outputs
+/// go to the input's partition, 0), the folder's 16-digit token, the clean
+/// flag and the in-flight bound (16000 ms by default). The claim's, all
+/// ends 0, is 108 bytes; with 10 to 99 outputs 109; with 100 or more 110,
+/// refused.
 const GROWN_METADATA_LIMIT: usize = 109;
+
+/// That `out` is `pipe` stopped by a broker that refused its commit
+/// metadata as too large: exit 1, and a last line that names the setting
+/// and says `detail`.
+fn expect_metadata_refused(out: &Output, run: &str, detail: &str) -> TestResult {
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    if out.status.code() != Some(1)
+        || !last.starts_with("replayguard: error: ")
+        || !last.contains("offset.metadata.max.bytes")
+        || !last.contains(detail)
+    {
+        return Err(format!("{run}: expected the refusal, got {}: {stderr}", out.status).into());
+    }
+    Ok(())
+}
 
 #[test]
 fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {

@@ -610,9 +610,8 @@ impl LaneIndex {
         debug_assert!(self.deferred.is_empty(), "a lane loads before it records");
         self.hashes = FpTable::from_tagged(entries, table::PACKED_LOAD_PCT);
         let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
-        let open = self.open;
         self.hashes.for_each(|_, tag| {
-            *counts.entry(epoch_of_tag(open, tag)).or_default() += 1;
+            *counts.entry(self.epoch_of(tag)).or_default() += 1;
         });
         for (e, n) in counts {
             self.epoch_mut(e).hashes = n;
