@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use replayguard::kafka::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
 use replayguard_testkit::{
-    MockBroker, NewRecord, PyClient, TestProducer, TestResult, check_each_once, end_offsets,
+    Ends, MockBroker, NewRecord, PyClient, TestProducer, TestResult, check_each_once, end_offsets,
     free_port, integers, produce, produce_integers, read_topic, run_bounded, send_signal,
     wait_bounded,
 };
@@ -327,34 +327,16 @@ fn sigterm_takes_a_final_checkpoint_and_exits_zero() -> TestResult {
     let state = tempfile::tempdir()?;
     // A long interval: the positions inspect sees come from the final
     // checkpoint, not a periodic one.
-    let mut child = pipe(
+    let (mut child, stderr) = spawn_logged(&mut pipe(
         &broker,
         "term",
         state.path(),
         &["--checkpoint-interval", "1h"],
-    )
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()?;
-    let stderr = child.stderr.take().ok_or("no stderr")?;
-    let stderr = thread::spawn(move || {
-        let mut s = String::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            s += &line;
-            s.push('\n');
-        }
-        s
-    });
+    ))?;
     let copied = wait_for_records(&broker, "out", 100, Duration::from_secs(60));
-    send_signal(child.id(), "TERM")?;
-    let status = wait_bounded(&mut child, Duration::from_secs(30));
-    if status.is_err() {
-        let _ = child.kill();
-    }
+    let (status, stderr) = terminate(&mut child, stderr)?;
     let status = status?;
     copied?;
-    let stderr = stderr.join().map_err(|_| "stderr reader panicked")?;
     if !status.success() || stderr.contains("replayguard: error") {
         return Err(format!("SIGTERM: {status}, stderr: {stderr}").into());
     }
@@ -732,6 +714,149 @@ fn expect_metadata_refused(out: &Output, run: &str, detail: &str) -> TestResult 
         return Err(format!("{run}: expected the refusal, got {}: {stderr}", out.status).into());
     }
     Ok(())
+}
+
+/// A broker that refuses the claim of arriving partitions (the commit
+/// before their first output that makes a successor wait for this
+/// instance's outputs in flight): `pipe` holds them, writing nothing for
+/// them, and claims them again until the broker takes it. Without the
+/// hold it wrote at once, and with no periodic checkpoint due the group
+/// held no claim at all while its outputs went out.
+#[test]
+fn pipe_writes_nothing_for_partitions_until_the_broker_takes_their_claim() -> TestResult {
+    const REFUSALS: usize = 4;
+    let mut broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=200)?;
+    broker.refuse_commits(REFUSALS)?;
+    let state = tempfile::tempdir()?;
+    // No periodic checkpoint: its commit would stand in for a claim.
+    let (mut child, stderr) = spawn_logged(&mut pipe(
+        &broker,
+        "claims",
+        state.path(),
+        &["--checkpoint-interval", "1h"],
+    ))?;
+    let ends = Ends::new(broker.bootstrap(), &[("in", 2), ("out", 2)])?;
+    let first = (|| -> TestResult<Vec<Option<(i64, String)>>> {
+        let deadline = Instant::now() + RUN_LIMIT;
+        while ends.total("out")? == 0 {
+            if let Some(status) = child.try_wait()? {
+                return Err(format!("pipe exited ({status}) before its first output").into());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("no output within {RUN_LIMIT:?}").into());
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        ends.committed("claims", "in")
+    })();
+    let copied = first.is_ok() && wait_for_records(&broker, "out", 200, RUN_LIMIT).is_ok();
+    let (status, stderr) = terminate(&mut child, stderr)?;
+    let claims = first.map_err(|e| format!("{e}; stderr:\n{stderr}"))?;
+    // At the first output the group already held this instance's claim
+    // of both partitions: a commit that names it and no clean handover.
+    for (p, claim) in claims.iter().enumerate() {
+        let meta: Option<serde_json::Value> = claim
+            .as_ref()
+            .and_then(|(_, m)| serde_json::from_str(m).ok());
+        let claimed = meta.is_some_and(|m| {
+            m["c"] == serde_json::json!(false) && m["i"].as_str().is_some_and(|i| !i.is_empty())
+        });
+        if !claimed {
+            return Err(format!(
+                "in/{p}: when the first output was written the group held {claim:?}, not a claim; stderr:\n{stderr}"
+            )
+            .into());
+        }
+    }
+    let refusals = stderr
+        .matches("the broker refused to claim arriving partitions")
+        .count();
+    if refusals != REFUSALS
+        || !copied
+        || !status?.success()
+        || stderr.contains("replayguard: error")
+    {
+        return Err(format!(
+            "expected {REFUSALS} refusals logged, all 200 copied and a clean exit; {refusals} refusals, copied: {copied}; stderr:\n{stderr}"
+        )
+        .into());
+    }
+    check_each_once(
+        &integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?,
+        1..=200,
+    )
+}
+
+/// A broker that never takes the claim: `pipe` stops with an error that
+/// says so once it has refused for the timeout (30 s), having written
+/// nothing, instead of waiting for good or writing unclaimed.
+#[test]
+fn pipe_stops_when_the_broker_keeps_refusing_its_claim() -> TestResult {
+    let mut broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=50)?;
+    broker.refuse_commits(1_000)?;
+    let state = tempfile::tempdir()?;
+    let out = run_bounded(
+        &mut pipe(
+            &broker,
+            "never",
+            state.path(),
+            &["--checkpoint-interval", "1h"],
+        ),
+        RUN_LIMIT,
+    )?;
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    if out.status.code() != Some(1)
+        || !last.starts_with("replayguard: error: the broker refused ")
+        || !last.contains("claim of in/0")
+        || !last.contains("RebalanceInProgress")
+    {
+        return Err(format!("expected the refused claim, got {}: {stderr}", out.status).into());
+    }
+    let written = total(&broker, "out")?;
+    if written != 0 {
+        return Err(format!("{written} outputs written for an unclaimed partition").into());
+    }
+    Ok(())
+}
+
+/// `command` started with no stdin or stdout, and its stderr gathered on
+/// a thread until it closes.
+fn spawn_logged(
+    command: &mut Command,
+) -> TestResult<(std::process::Child, thread::JoinHandle<String>)> {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stream = child.stderr.take().ok_or("no stderr")?;
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            s += &line;
+            s.push('\n');
+        }
+        s
+    });
+    Ok((child, stderr))
+}
+
+/// Sends SIGTERM to a child of [`spawn_logged`] and waits 30 s at most
+/// for it to exit (killing it then): how it exited, and its stderr.
+fn terminate(
+    child: &mut std::process::Child,
+    stderr: thread::JoinHandle<String>,
+) -> TestResult<(TestResult<std::process::ExitStatus>, String)> {
+    send_signal(child.id(), "TERM")?;
+    let status = wait_bounded(child, Duration::from_secs(30));
+    if status.is_err() {
+        let _ = child.kill();
+    }
+    let stderr = stderr.join().map_err(|_| "stderr reader panicked")?;
+    Ok((status, stderr))
 }
 
 #[test]

@@ -18,7 +18,10 @@
 //!
 //! - `broker-down ID` and `broker-up ID`: cut or restore a broker's
 //!   connections (broker ids start at 1);
-//! - `create-topic NAME:PARTITIONS`: create one more topic.
+//! - `create-topic NAME:PARTITIONS`: create one more topic;
+//! - `refuse-commits N`: answer the next N offset commits (of any client)
+//!   with `REBALANCE_IN_PROGRESS`, as a broker does to a commit that meets
+//!   a rebalance.
 //!
 //! It is not a Kafka broker for real data. The mock keeps only about 5 MiB
 //! or 100k record batches per partition and drops older data, and its
@@ -31,6 +34,7 @@ use std::sync::mpsc;
 use clap::Parser;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
 /// librdkafka's mock cluster in its own process, for tests and demos.
 #[derive(Debug, Parser)]
@@ -183,8 +187,18 @@ fn command(
             .broker_up(broker_id()?)
             .map_err(|e| format!("broker-up failed: {e}")),
         "create-topic" => create_topic(cluster, args, &parse_topic(rest)?),
+        "refuse-commits" => {
+            let n: usize = rest
+                .parse()
+                .map_err(|_| format!("`{rest}` is not a number of commits"))?;
+            cluster.request_errors(
+                RDKafkaApiKey::OffsetCommit,
+                &vec![RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; n],
+            );
+            Ok(())
+        }
         _ => Err(format!(
-            "unknown command `{line}`; expected broker-down ID, broker-up ID or create-topic NAME:PARTITIONS"
+            "unknown command `{line}`; expected broker-down ID, broker-up ID, create-topic NAME:PARTITIONS or refuse-commits N"
         )),
     }
 }

@@ -23,7 +23,7 @@ use rdkafka::types::RDKafkaRespErr;
 
 use super::lease::Lease;
 use super::setup::kafka;
-use super::shared::{Held, Offered, Partition, Position, Shared, SinkPositions};
+use super::shared::{Held, Offered, Partition, Position, Refusal, Shared, SinkPositions};
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, Identity};
 
@@ -361,8 +361,10 @@ impl Core {
         let Some(held) = held else {
             return Ok(None);
         };
-        self.hooks
-            .reconcile(self, held.manifest.as_ref(), &held.commits)?;
+        if !held.reconciled {
+            self.hooks
+                .reconcile(self, held.manifest.as_ref(), &held.commits)?;
+        }
         let starts: Vec<(String, i32, Option<i64>)> = {
             let mut s = self.lock();
             let mut starts = Vec::with_capacity(held.partitions.len());
@@ -378,7 +380,11 @@ impl Core {
             }
             starts
         };
-        self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)?;
+        if let Some(error) = self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)? {
+            return self
+                .hold_unclaimed(&starts, held.from, error, held.refusal)
+                .map(Some);
+        }
         let mut tpl = TopicPartitionList::new();
         for (t, p, next) in &starts {
             if let Some(next) = next {
@@ -496,24 +502,25 @@ impl Core {
     /// owner's clean handover, or nothing, until this instance's first
     /// checkpoint; a successor that took the partitions from this instance,
     /// frozen, cut off or killed before then, would neither wait for its
-    /// outputs in flight nor read back those it wrote. A claim the broker
-    /// refuses leaves that gap open until the first checkpoint, and says
-    /// so in the log; one refused as too large stops the pipeline, as
-    /// every later commit would be.
+    /// outputs in flight nor read back those it wrote. Returns the broker's
+    /// refusal, if it refused: the caller then holds the partitions and
+    /// claims them again ([`Held`]); a partition with no start anywhere
+    /// then gets the one claimed, to resume from. One refused as too large
+    /// stops the pipeline, as every later commit would be.
     fn claim(
         &self,
         consumer: &impl Consumer<GuardContext>,
         starts: &[(String, i32, Option<i64>)],
         manifest: Option<&SinkPositions>,
         commits: &[SinkPositions],
-    ) -> Result<()> {
+    ) -> Result<Option<String>> {
         if !self.fenced || !self.hooks.writes() || starts.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let meta = {
             let s = self.lock();
             let Some(sink) = s.sink.as_ref() else {
-                return Ok(());
+                return Ok(None);
             };
             // Reconciliation read each output partition from the lowest
             // position a source names, or from its start when none does;
@@ -561,18 +568,18 @@ impl Core {
             Ok(()) => {
                 self.metadata_taken.fetch_max(meta.len(), Ordering::Relaxed);
                 tracing::debug!(partitions = tpl.count(), "arriving partitions claimed");
-                Ok(())
+                Ok(None)
             }
             Err(e) => match metadata_too_large(&e, &tpl) {
                 Some(refused) => Err(self.stop(refused)),
                 None => {
-                    metrics::counter!("replayguard_claims_refused_total").increment(1);
-                    tracing::warn!(
-                        error = %e,
-                        partitions = tpl.count(),
-                        "claiming arriving partitions failed: until this instance's first checkpoint commits them, a successor that takes them over (this instance frozen, cut off or killed) neither waits for its outputs in flight nor reads back those it wrote"
-                    );
-                    Ok(())
+                    let mut s = self.lock();
+                    for ((topic, p, start), (_, _, claimed)) in starts.iter().zip(&positions) {
+                        if start.is_none() {
+                            s.track(topic, *p).next = Some(*claimed);
+                        }
+                    }
+                    Ok(Some(e.to_string()))
                 }
             },
         }
@@ -650,20 +657,33 @@ impl Core {
                     self.hold(
                         &arrival.starts,
                         wait,
-                        from,
-                        manifest_sink,
-                        arrival.from_commits,
+                        Held {
+                            until: Instant::now(),
+                            from,
+                            partitions: Vec::new(),
+                            manifest: manifest_sink,
+                            commits: arrival.from_commits,
+                            reconciled: false,
+                            refusal: None,
+                        },
                     );
                 }
                 None => {
                     self.hooks
                         .reconcile(self, manifest_sink.as_ref(), &arrival.from_commits)?;
-                    self.claim(
+                    if let Some(error) = self.claim(
                         consumer,
                         &arrival.starts,
                         manifest_sink.as_ref(),
                         &arrival.from_commits,
-                    )?;
+                    )? {
+                        self.hold_unclaimed(
+                            &arrival.starts,
+                            "(none: a refused claim)".into(),
+                            error,
+                            None,
+                        )?;
+                    }
                 }
             }
         }
@@ -801,34 +821,89 @@ impl Core {
     }
 
     /// Holds arriving partitions until `wait` has passed, see [`Held`].
-    fn hold(
-        &self,
-        starts: &[(String, i32, Option<i64>)],
-        wait: Duration,
-        from: String,
-        manifest: Option<SinkPositions>,
-        commits: Vec<SinkPositions>,
-    ) {
+    /// Returns when they are released.
+    fn hold(&self, starts: &[(String, i32, Option<i64>)], wait: Duration, why: Held) -> Instant {
         let mut s = self.lock();
         let arriving = starts.iter().map(|(t, p, _)| (t.clone(), *p));
         let until = Instant::now() + wait;
-        match s.held.as_mut() {
+        let until = match s.held.as_mut() {
             Some(h) => {
                 h.until = h.until.max(until);
                 h.partitions.extend(arriving);
-                h.commits.extend(commits);
+                h.commits.extend(why.commits);
+                h.reconciled &= why.reconciled;
+                if h.refusal.is_none() {
+                    h.refusal = why.refusal;
+                }
+                h.until
             }
             None => {
                 s.held = Some(Held {
                     until,
-                    from,
                     partitions: arriving.collect(),
-                    manifest,
-                    commits,
+                    ..why
                 });
+                until
             }
-        }
+        };
         s.wake.notify_one();
+        until
+    }
+
+    /// Holds partitions whose claim the broker refused (after `earlier`
+    /// refusals), their output already reconciled, until the claim is
+    /// tried again. Returns when that is.
+    ///
+    /// # Errors
+    /// When the broker has refused it for longer than the timeout: the
+    /// pipeline stops rather than leave them unread for good.
+    fn hold_unclaimed(
+        &self,
+        starts: &[(String, i32, Option<i64>)],
+        from: String,
+        error: String,
+        earlier: Option<Refusal>,
+    ) -> Result<Instant> {
+        let refusal = Refusal::after(earlier, error);
+        metrics::counter!("replayguard_claims_refused_total").increment(1);
+        let refused_for = refusal.since.elapsed();
+        if refused_for >= self.timeout {
+            return Err(self.stop(Error::Stopped {
+                reason: format!(
+                    "the broker refused {} times, for {} ms, to take this instance's claim of {} (a commit before their first output, without which a successor would not wait for their outputs in flight); the last refusal: {}",
+                    refusal.attempts,
+                    refused_for.as_millis(),
+                    starts
+                        .iter()
+                        .map(|(t, p, _)| format!("{t}/{p}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    refusal.error
+                ),
+                after: None,
+            }));
+        }
+        let delay = refusal.delay();
+        tracing::warn!(
+            error = %refusal.error,
+            partitions = starts.len(),
+            attempt = refusal.attempts,
+            retry_ms = delay.as_millis() as u64,
+            "the broker refused to claim arriving partitions: they stay paused, with nothing written for them, until a claim is taken"
+        );
+        Ok(self.hold(
+            starts,
+            delay,
+            Held {
+                until: Instant::now(),
+                from,
+                partitions: Vec::new(),
+                manifest: None,
+                commits: Vec::new(),
+                reconciled: true,
+                refusal: Some(refusal),
+            },
+        ))
     }
 }
 

@@ -84,7 +84,8 @@
 //! bound before it reconciles the output. Every owner commits such
 //! metadata for a partition it takes (a claim) before the partition's
 //! first output, so that its successor waits for it even when it left
-//! before its first checkpoint. A broker that refuses that
+//! before its first checkpoint; a claim the broker refuses keeps the
+//! partition paused and is tried again. A broker that refuses that
 //! metadata as too long stops the pipeline
 //! ([`crate::Error::CommitMetadataTooLarge`]). The README's guarantees say
 //! what this covers and what it does not.

@@ -132,12 +132,14 @@ pub(crate) struct Counters {
     pub checkpoints: u64,
 }
 
-/// Partitions whose previous owner (another instance) left without a clean
-/// handover: its outputs may be in flight until `until`. They stay paused,
-/// and any record of theirs is skipped, until then; then the output is
-/// reconciled and they resume from their start. The wait happens outside
-/// the rebalance callback, so that the member keeps taking part in its
-/// group meanwhile.
+/// Partitions not yet safe to write for: their previous owner (another
+/// instance) left without a clean handover, so its outputs may be in
+/// flight until `until`; or the broker refused their claim. They stay
+/// paused, and any record of theirs is skipped, until then; then the
+/// output is reconciled (unless it was already), they are claimed, and
+/// they resume from their start. A claim refused again holds them again.
+/// The wait happens outside the rebalance callback, so that the member
+/// keeps taking part in its group meanwhile.
 #[derive(Debug)]
 pub(crate) struct Held {
     pub until: Instant,
@@ -147,6 +149,49 @@ pub(crate) struct Held {
     /// Where reconciliation starts, as on assign.
     pub manifest: Option<SinkPositions>,
     pub commits: Vec<SinkPositions>,
+    /// Whether their output is reconciled already (only the claim is left).
+    pub reconciled: bool,
+    /// The broker's refusals of their claim so far.
+    pub refusal: Option<Refusal>,
+}
+
+/// A claim the broker refused ([`Held`]): it is tried again after a delay
+/// that doubles from [`Refusal::FIRST_DELAY`] up to [`Refusal::MAX_DELAY`].
+#[derive(Debug, Clone)]
+pub(crate) struct Refusal {
+    /// The first refusal.
+    pub since: Instant,
+    pub attempts: u32,
+    /// The broker's last answer.
+    pub error: String,
+}
+
+impl Refusal {
+    pub const FIRST_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
+    pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
+
+    /// A first refusal, or one more after `earlier`.
+    pub fn after(earlier: Option<Refusal>, error: String) -> Self {
+        match earlier {
+            Some(r) => Refusal {
+                since: r.since,
+                attempts: r.attempts + 1,
+                error,
+            },
+            None => Refusal {
+                since: Instant::now(),
+                attempts: 1,
+                error,
+            },
+        }
+    }
+
+    /// How long to wait before the next claim.
+    pub fn delay(&self) -> std::time::Duration {
+        Self::FIRST_DELAY
+            .saturating_mul(1 << self.attempts.saturating_sub(1).min(8))
+            .min(Self::MAX_DELAY)
+    }
 }
 
 /// The failure that stopped the guard: the first is handed out as it is
@@ -611,6 +656,19 @@ mod test {
     }
 
     #[test]
+    fn a_refused_claim_is_tried_again_after_a_doubling_delay_up_to_two_seconds() {
+        let mut r = Refusal::after(None, "first".into());
+        let mut delays = vec![r.delay().as_millis()];
+        for n in 0..40 {
+            r = Refusal::after(Some(r), format!("again {n}"));
+            delays.push(r.delay().as_millis());
+        }
+        assert_eq!(&delays[..7], [100, 200, 400, 800, 1600, 2000, 2000]);
+        assert!(delays.iter().all(|&d| (100..=2000).contains(&d)));
+        assert_eq!((r.attempts, r.error.as_str()), (41, "again 39"));
+    }
+
+    #[test]
     fn a_held_partition_is_neither_checkpointed_nor_committed_until_released() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let guard = Guard::builder(dir.path()).open()?;
@@ -634,6 +692,8 @@ mod test {
             partitions: vec![tp("in", 1)],
             manifest: None,
             commits: Vec::new(),
+            reconciled: false,
+            refusal: None,
         });
         // Neither a periodic checkpoint nor a revoke's (clean) one names it.
         let (commit, _) = s.checkpoint(None, false)?;

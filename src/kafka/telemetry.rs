@@ -101,7 +101,7 @@ pub fn describe_metrics() {
     describe_counter!(
         "replayguard_claims_refused_total",
         Unit::Count,
-        "Claims of taken partitions (a commit before their first output) the broker refused: until the next checkpoint commits them, a successor would not wait for this instance's outputs in flight."
+        "Claims of taken partitions (a commit before their first output) the broker refused: each keeps its partitions paused, with nothing written for them, until a later claim is taken (or the pipeline stops, refused for the timeout)."
     );
     describe_counter!(
         "replayguard_disk_hits_total",

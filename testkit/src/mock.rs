@@ -136,6 +136,15 @@ impl MockBroker {
         self.command(&format!("broker-up {id}"))
     }
 
+    /// Answers the next `n` offset commits, of any client, with
+    /// `REBALANCE_IN_PROGRESS`.
+    ///
+    /// # Errors
+    /// When the broker refuses or does not answer.
+    pub fn refuse_commits(&mut self, n: usize) -> TestResult {
+        self.command(&format!("refuse-commits {n}"))
+    }
+
     fn command(&mut self, line: &str) -> TestResult {
         writeln!(self.stdin, "{line}")?;
         self.stdin.flush()?;
