@@ -737,32 +737,14 @@ fn pipe_writes_nothing_for_partitions_until_the_broker_takes_their_claim() -> Te
         &["--checkpoint-interval", "1h"],
     ))?;
     let ends = Ends::new(broker.bootstrap(), &[("in", 2), ("out", 2)])?;
-    let first = (|| -> TestResult<Vec<Option<(i64, String)>>> {
-        let deadline = Instant::now() + RUN_LIMIT;
-        while ends.total("out")? == 0 {
-            if let Some(status) = child.try_wait()? {
-                return Err(format!("pipe exited ({status}) before its first output").into());
-            }
-            if Instant::now() >= deadline {
-                return Err(format!("no output within {RUN_LIMIT:?}").into());
-            }
-            thread::sleep(Duration::from_millis(10));
-        }
-        ends.committed("claims", "in")
-    })();
+    let first = committed_at_output(&ends, 0, &mut child, "claims");
     let copied = first.is_ok() && wait_for_records(&broker, "out", 200, RUN_LIMIT).is_ok();
     let (status, stderr) = terminate(&mut child, stderr)?;
     let claims = first.map_err(|e| format!("{e}; stderr:\n{stderr}"))?;
     // At the first output the group already held this instance's claim
     // of both partitions: a commit that names it and no clean handover.
     for (p, claim) in claims.iter().enumerate() {
-        let meta: Option<serde_json::Value> = claim
-            .as_ref()
-            .and_then(|(_, m)| serde_json::from_str(m).ok());
-        let claimed = meta.is_some_and(|m| {
-            m["c"] == serde_json::json!(false) && m["i"].as_str().is_some_and(|i| !i.is_empty())
-        });
-        if !claimed {
+        if claimant(claim).is_none() {
             return Err(format!(
                 "in/{p}: when the first output was written the group held {claim:?}, not a claim; stderr:\n{stderr}"
             )
@@ -788,6 +770,111 @@ fn pipe_writes_nothing_for_partitions_until_the_broker_takes_their_claim() -> Te
     )
 }
 
+/// The same after an unclean handover: a new owner that waited for a
+/// killed one's outputs in flight and reconciled them claims the
+/// partition before its first output, and while the broker refuses, it
+/// claims again rather than write under the killed owner's claim.
+#[test]
+fn a_new_owner_that_waited_for_a_killed_one_writes_nothing_until_its_claim_is_taken() -> TestResult
+{
+    const REFUSALS: usize = 3;
+    let mut broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=200)?;
+    let (killed_state, new_state) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    // No periodic checkpoint: the killed owner leaves its claim only, and
+    // a short delivery timeout shortens the new owner's wait.
+    let extra = ["--checkpoint-interval", "1h", "--delivery-timeout", "2s"];
+    let (mut killed, killed_log) =
+        spawn_logged(&mut pipe(&broker, "handover", killed_state.path(), &extra))?;
+    let copied = wait_for_records(&broker, "out", 200, RUN_LIMIT);
+    killed.kill()?;
+    killed.wait()?;
+    let killed_log = killed_log.join().map_err(|_| "stderr reader panicked")?;
+    copied.map_err(|e| format!("{e}; stderr:\n{killed_log}"))?;
+    let ends = Ends::new(broker.bootstrap(), &[("in", 1), ("out", 1)])?;
+    let killed_claim = ends.committed("handover", "in")?;
+    let killed_claimant = claimant(&killed_claim[0])
+        .ok_or_else(|| format!("the killed owner left {killed_claim:?}, not its claim"))?;
+    produce_integers(broker.bootstrap(), "in", 201..=400)?;
+    broker.refuse_commits(REFUSALS)?;
+    let (mut new, new_log) =
+        spawn_logged(&mut pipe(&broker, "handover", new_state.path(), &extra))?;
+    let first = committed_at_output(&ends, 200, &mut new, "handover");
+    let copied = first.is_ok() && wait_for_records(&broker, "out", 400, RUN_LIMIT).is_ok();
+    let (status, new_log) = terminate(&mut new, new_log)?;
+    let claim = first.map_err(|e| format!("{e}; stderr:\n{new_log}"))?;
+    match claimant(&claim[0]) {
+        Some(c) if c != killed_claimant => {}
+        _ => {
+            return Err(format!(
+                "when the new owner's first output was written the group held {claim:?}, not its claim; stderr:\n{new_log}"
+            )
+            .into());
+        }
+    }
+    let refusals = new_log
+        .matches("the broker refused to claim arriving partitions")
+        .count();
+    // It waited for the killed owner first: the refusals met the claim
+    // made after that wait.
+    let waited = new_log.find("partitions arrive without a clean handover");
+    let refused = new_log.find("the broker refused to claim arriving partitions");
+    if !matches!((waited, refused), (Some(w), Some(r)) if w < r) {
+        return Err(format!(
+            "no wait for the killed owner before the refusals; stderr:\n{new_log}"
+        )
+        .into());
+    }
+    if refusals != REFUSALS
+        || !copied
+        || !status?.success()
+        || new_log.contains("replayguard: error")
+    {
+        return Err(format!(
+            "expected {REFUSALS} refusals logged, all 400 copied and a clean exit; {refusals} refusals, copied: {copied}; stderr:\n{new_log}"
+        )
+        .into());
+    }
+    check_each_once(
+        &integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?,
+        1..=400,
+    )
+}
+
+/// Waits until `out` holds more than `n` records while `child` runs, and
+/// returns what `group` had committed on each partition of `in` then.
+fn committed_at_output(
+    ends: &Ends,
+    n: i64,
+    child: &mut std::process::Child,
+    group: &str,
+) -> TestResult<Vec<Option<(i64, String)>>> {
+    let deadline = Instant::now() + RUN_LIMIT;
+    while ends.total("out")? <= n {
+        if let Some(status) = child.try_wait()? {
+            return Err(format!("pipe exited ({status}) with {n} outputs or fewer").into());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("no more than {n} outputs within {RUN_LIMIT:?}").into());
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    ends.committed(group, "in")
+}
+
+/// The instance a committed offset's metadata names, if it is a claim (no
+/// clean handover).
+fn claimant(commit: &Option<(i64, String)>) -> Option<String> {
+    let meta: serde_json::Value = serde_json::from_str(&commit.as_ref()?.1).ok()?;
+    if meta["c"] != serde_json::json!(false) {
+        return None;
+    }
+    meta["i"]
+        .as_str()
+        .filter(|i| !i.is_empty())
+        .map(str::to_owned)
+}
+
 /// A broker that never takes the claim: `pipe` stops with an error that
 /// says so once it has refused for the timeout (30 s), having written
 /// nothing, instead of waiting for good or writing unclaimed.
@@ -810,7 +897,7 @@ fn pipe_stops_when_the_broker_keeps_refusing_its_claim() -> TestResult {
     let last = stderr.lines().last().unwrap_or_default();
     if out.status.code() != Some(1)
         || !last.starts_with("replayguard: error: the broker refused ")
-        || !last.contains("claim of in/0")
+        || !last.contains("claim of in[0]")
         || !last.contains("RebalanceInProgress")
     {
         return Err(format!("expected the refused claim, got {}: {stderr}", out.status).into());

@@ -149,7 +149,8 @@ fn wrong_credentials_end_the_run_with_a_clear_error_and_status_1() -> TestResult
 fn a_principal_without_read_on_the_input_stops_at_once_with_status_1() -> TestResult {
     let broker = broker()?;
     // It may see the input and use its group and the output, but not read
-    // the input: the metadata probe passes, the first fetch is refused.
+    // the input: the metadata probe passes; the first fetch is refused, or
+    // for `pipe` first the claim of the input's partitions, a commit.
     for acl in [
         &["--operation", "DESCRIBE", "--topic", "in"][..],
         &["--operation", "READ", "--group", "intruders"],

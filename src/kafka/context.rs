@@ -117,6 +117,45 @@ fn commit_list(positions: &[Position], meta: &str) -> Result<TopicPartitionList>
     Ok(tpl)
 }
 
+/// Whether a claim's refusal `e` may pass if the claim is made again: a
+/// coordinator moving or loading, a rebalance under way (after which the
+/// partitions are claimed in the new generation, or leave), a timeout.
+fn claim_heals(e: &KafkaError) -> bool {
+    e.rdkafka_error_code().is_some_and(|code| {
+        super::trouble::is_transient(code)
+            || matches!(
+                code,
+                RDKafkaErrorCode::IllegalGeneration
+                    | RDKafkaErrorCode::UnknownMemberId
+                    | RDKafkaErrorCode::StaleMemberEpoch
+            )
+    })
+}
+
+/// What to do about a claim's refusal that does not heal.
+fn claim_hint(e: &KafkaError) -> &'static str {
+    match e.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::GroupAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed,
+        ) => super::trouble::hint(e),
+        _ => {
+            "it does not heal by itself, so the pipeline stops rather than write outputs a \
+             successor would not wait for"
+        }
+    }
+}
+
+/// Partitions as messages name them: `in[0], in[1]`.
+fn partition_list(starts: &[(String, i32, Option<i64>)]) -> String {
+    starts
+        .iter()
+        .map(|(t, p, _)| format!("{t}[{p}]"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The failure to stop with when `e`, an offset commit's error, says the
 /// broker refused the commit metadata as too large: a refusal every later
 /// commit would get too.
@@ -503,10 +542,12 @@ impl Core {
     /// checkpoint; a successor that took the partitions from this instance,
     /// frozen, cut off or killed before then, would neither wait for its
     /// outputs in flight nor read back those it wrote. Returns the broker's
-    /// refusal, if it refused: the caller then holds the partitions and
+    /// refusal, if it refused for a reason that may pass (a rebalance under
+    /// way, a coordinator moving): the caller then holds the partitions and
     /// claims them again ([`Held`]); a partition with no start anywhere
-    /// then gets the one claimed, to resume from. One refused as too large
-    /// stops the pipeline, as every later commit would be.
+    /// then gets the one claimed, to resume from. A refusal that does not
+    /// pass (a missing permission; metadata too large, which every later
+    /// commit would meet too) stops the pipeline.
     fn claim(
         &self,
         consumer: &impl Consumer<GuardContext>,
@@ -572,6 +613,14 @@ impl Core {
             }
             Err(e) => match metadata_too_large(&e, &tpl) {
                 Some(refused) => Err(self.stop(refused)),
+                None if !claim_heals(&e) => Err(Error::Stopped {
+                    reason: format!(
+                        "the broker refused this instance's claim of {} (the commit before their first output that makes a successor wait for their outputs in flight): {e}; {}",
+                        partition_list(starts),
+                        claim_hint(&e)
+                    ),
+                    after: None,
+                }),
                 None => {
                     let mut s = self.lock();
                     for ((topic, p, start), (_, _, claimed)) in starts.iter().zip(&positions) {
@@ -868,20 +917,16 @@ impl Core {
         metrics::counter!("replayguard_claims_refused_total").increment(1);
         let refused_for = refusal.since.elapsed();
         if refused_for >= self.timeout {
-            return Err(self.stop(Error::Stopped {
+            return Err(Error::Stopped {
                 reason: format!(
                     "the broker refused {} times, for {} ms, to take this instance's claim of {} (a commit before their first output, without which a successor would not wait for their outputs in flight); the last refusal: {}",
                     refusal.attempts,
                     refused_for.as_millis(),
-                    starts
-                        .iter()
-                        .map(|(t, p, _)| format!("{t}/{p}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    partition_list(starts),
                     refusal.error
                 ),
                 after: None,
-            }));
+            });
         }
         let delay = refusal.delay();
         tracing::warn!(
