@@ -869,8 +869,9 @@ impl Core {
         Ok(())
     }
 
-    /// Holds arriving partitions until `wait` has passed, see [`Held`].
-    /// Returns when they are released.
+    /// Holds arriving partitions until `wait` has passed, see [`Held`]:
+    /// `why` gives the rest (its `until` and `partitions` are set here),
+    /// merged into partitions held already. Returns when they are released.
     fn hold(&self, starts: &[(String, i32, Option<i64>)], wait: Duration, why: Held) -> Instant {
         let mut s = self.lock();
         let arriving = starts.iter().map(|(t, p, _)| (t.clone(), *p));
