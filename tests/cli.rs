@@ -751,23 +751,7 @@ fn pipe_writes_nothing_for_partitions_until_the_broker_takes_their_claim() -> Te
             .into());
         }
     }
-    let refusals = stderr
-        .matches("the broker refused to claim arriving partitions")
-        .count();
-    if refusals != REFUSALS
-        || !copied
-        || !status?.success()
-        || stderr.contains("replayguard: error")
-    {
-        return Err(format!(
-            "expected {REFUSALS} refusals logged, all 200 copied and a clean exit; {refusals} refusals, copied: {copied}; stderr:\n{stderr}"
-        )
-        .into());
-    }
-    check_each_once(
-        &integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?,
-        1..=200,
-    )
+    expect_claimed_copy(&broker, &stderr, status, copied, REFUSALS, 200)
 }
 
 /// The same after an unclean handover: a new owner that waited for a
@@ -812,32 +796,43 @@ fn a_new_owner_that_waited_for_a_killed_one_writes_nothing_until_its_claim_is_ta
             .into());
         }
     }
-    let refusals = new_log
-        .matches("the broker refused to claim arriving partitions")
-        .count();
     // It waited for the killed owner first: the refusals met the claim
     // made after that wait.
     let waited = new_log.find("partitions arrive without a clean handover");
-    let refused = new_log.find("the broker refused to claim arriving partitions");
+    let refused = new_log.find(CLAIM_REFUSED);
     if !matches!((waited, refused), (Some(w), Some(r)) if w < r) {
         return Err(format!(
             "no wait for the killed owner before the refusals; stderr:\n{new_log}"
         )
         .into());
     }
-    if refusals != REFUSALS
-        || !copied
-        || !status?.success()
-        || new_log.contains("replayguard: error")
+    expect_claimed_copy(&broker, &new_log, status, copied, REFUSALS, 400)
+}
+
+/// The warning `pipe` logs at each refused claim.
+const CLAIM_REFUSED: &str = "the broker refused to claim arriving partitions";
+
+/// That a run with refused claims logged `refusals` of them, copied 1 to
+/// `n` (`copied`: it saw them all), exited cleanly, and wrote each once.
+fn expect_claimed_copy(
+    broker: &MockBroker,
+    stderr: &str,
+    status: TestResult<std::process::ExitStatus>,
+    copied: bool,
+    refusals: usize,
+    n: u64,
+) -> TestResult {
+    let logged = stderr.matches(CLAIM_REFUSED).count();
+    if logged != refusals || !copied || !status?.success() || stderr.contains("replayguard: error")
     {
         return Err(format!(
-            "expected {REFUSALS} refusals logged, all 400 copied and a clean exit; {refusals} refusals, copied: {copied}; stderr:\n{new_log}"
+            "expected {refusals} refusals logged, all {n} copied and a clean exit; {logged} refusals, copied: {copied}; stderr:\n{stderr}"
         )
         .into());
     }
     check_each_once(
         &integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?,
-        1..=400,
+        1..=n,
     )
 }
 
