@@ -1,6 +1,7 @@
 //! `--metrics-addr`: `replayguard pipe` against the mock broker process,
 //! scraped over HTTP while records flow. Its counters move and agree with
-//! the output read back by an independent client; `/health` answers 200
+//! the output read back by an independent client; partitions whose claim
+//! the broker refuses show as held; `/health` answers 200
 //! while it checkpoints and 503, with the reason, once its state disk
 //! fails; a busy or bad address is a usage error before any broker is
 //! contacted.
@@ -209,6 +210,9 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     }
     assert!(value(&s, "replayguard_state_disk_bytes") > 0.0, "{s:?}");
     assert!(value(&s, "replayguard_live_epochs") >= 1.0, "{s:?}");
+    // Both input partitions assigned to the one member, neither held.
+    assert_eq!(value(&s, "replayguard_assigned_partitions"), 2.0, "{s:?}");
+    assert_eq!(value(&s, "replayguard_held_partitions"), 0.0, "{s:?}");
     assert!(
         value(&s, "replayguard_checkpoint_seconds_count") >= 1.0,
         "{s:?}"
@@ -236,6 +240,65 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     let got = integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?;
     check_each_once(&got, 1..=1000)?;
     assert_eq!(got.len() as f64, value(&s, "replayguard_outputs_total"));
+
+    send_signal(proc.child.id(), "TERM")?;
+    let status = proc.wait(LIMIT)?;
+    assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());
+    Ok(())
+}
+
+/// Partitions whose claim the broker refuses are assigned but held, with
+/// nothing written: the two partition gauges tell them from partitions
+/// being copied and from a member given none, and turn back once a claim
+/// is taken.
+#[test]
+fn held_partitions_show_while_the_broker_refuses_their_claim() -> TestResult {
+    let mut broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=100)?;
+    // Tried again after 0.1, 0.2, 0.4, 0.8, 1.6 and then every 2 s: the
+    // partitions stay held for about 9 s.
+    broker.refuse_commits(8)?;
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let mut proc = Proc::spawn(
+        "pipe".into(),
+        &mut pipe(&broker, &dir.path().join("state"), port, &[]),
+        dir.path().join("pipe.log"),
+    )?;
+    let agent = client();
+
+    let before = scrape_until(&agent, &mut proc, port, "the endpoint", |_| true)?;
+    for gauge in [
+        "replayguard_assigned_partitions",
+        "replayguard_held_partitions",
+    ] {
+        assert!(
+            [0.0, 2.0].contains(&value(&before, gauge)),
+            "{gauge} registered from the start: {before:?}"
+        );
+    }
+    let held = scrape_until(&agent, &mut proc, port, "both partitions held", |s| {
+        value(s, "replayguard_held_partitions") == 2.0
+    })?;
+    assert_eq!(
+        value(&held, "replayguard_assigned_partitions"),
+        2.0,
+        "{held:?}"
+    );
+    assert!(
+        value(&held, "replayguard_claims_refused_total") >= 1.0,
+        "{held:?}"
+    );
+    assert_eq!(value(&held, "replayguard_outputs_total"), 0.0, "{held:?}");
+
+    let s = scrape_until(&agent, &mut proc, port, "claimed and copied", |s| {
+        value(s, "replayguard_held_partitions") == 0.0
+            && value(s, "replayguard_outputs_total") >= 100.0
+    })?;
+    assert_eq!(value(&s, "replayguard_assigned_partitions"), 2.0, "{s:?}");
+    assert_eq!(value(&s, "replayguard_claims_refused_total"), 8.0, "{s:?}");
+    let got = integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?;
+    check_each_once(&got, 1..=100)?;
 
     send_signal(proc.child.id(), "TERM")?;
     let status = proc.wait(LIMIT)?;

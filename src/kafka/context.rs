@@ -371,6 +371,18 @@ impl Core {
         })
     }
 
+    /// Sets the gauges of this instance's partitions: those assigned to it
+    /// (librdkafka's assignment), and of them those held, paused with
+    /// nothing written, for a previous owner's outputs in flight or for a
+    /// claim the broker has not taken yet.
+    fn publish_partitions(&self, consumer: &impl Consumer<GuardContext>) {
+        if let Ok(assigned) = consumer.assignment() {
+            metrics::gauge!("replayguard_assigned_partitions").set(assigned.count() as f64);
+        }
+        let held = self.lock().held.as_ref().map_or(0, |h| h.partitions.len());
+        metrics::gauge!("replayguard_held_partitions").set(held as f64);
+    }
+
     /// The held partitions, as a list to pause.
     fn held_list(&self) -> Option<TopicPartitionList> {
         let s = self.lock();
@@ -420,9 +432,9 @@ impl Core {
             starts
         };
         if let Some(error) = self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)? {
-            return self
-                .hold_unclaimed(&starts, held.from, error, held.refusal)
-                .map(Some);
+            let until = self.hold_unclaimed(&starts, held.from, error, held.refusal);
+            self.publish_partitions(consumer);
+            return until.map(Some);
         }
         let mut tpl = TopicPartitionList::new();
         for (t, p, next) in &starts {
@@ -439,6 +451,7 @@ impl Core {
                 .resume(&tpl)
                 .map_err(kafka("resuming held partitions"))?;
         }
+        self.publish_partitions(consumer);
         tracing::info!(
             previous_owner = %held.from,
             partitions = tpl.count(),
@@ -1074,5 +1087,6 @@ impl ConsumerContext for GuardContext {
                 source: e,
             });
         }
+        self.core.publish_partitions(consumer);
     }
 }

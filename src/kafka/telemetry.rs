@@ -6,8 +6,9 @@
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
 /// Describes every metric the adapters emit to the installed recorder
-/// (unit and help text), and registers the counters so that they read 0
-/// before their first event. Without a recorder it does nothing.
+/// (unit and help text), and registers the counters and the partition
+/// gauges so that they read 0 before their first event. Without a
+/// recorder it does nothing.
 ///
 /// Counters: `replayguard_records_in_total`,
 /// `replayguard_duplicates_total` (label `reason`: `position` or
@@ -16,6 +17,7 @@ use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 /// `replayguard_reconciled_identities_total`,
 /// `replayguard_claims_refused_total`. Gauges:
 /// `replayguard_consumer_lag` (labels `topic`, `partition`),
+/// `replayguard_assigned_partitions`, `replayguard_held_partitions`,
 /// `replayguard_live_epochs`, `replayguard_live_fingerprints`,
 /// `replayguard_live_offsets`, `replayguard_epoch`,
 /// `replayguard_state_memory_bytes`, `replayguard_state_disk_bytes`,
@@ -67,6 +69,16 @@ pub fn describe_metrics() {
         "replayguard_consumer_lag",
         Unit::Count,
         "Records behind the high watermark, per assigned partition (0 for a partition this instance no longer owns)."
+    );
+    describe_gauge!(
+        "replayguard_assigned_partitions",
+        Unit::Count,
+        "Input partitions the group assigned to this instance."
+    );
+    describe_gauge!(
+        "replayguard_held_partitions",
+        Unit::Count,
+        "Of the assigned partitions, those paused with nothing written for them: waiting for a previous owner's outputs in flight, or for the broker to take this instance's claim."
     );
     describe_gauge!(
         "replayguard_live_epochs",
@@ -157,5 +169,12 @@ pub fn describe_metrics() {
     }
     for reason in ["position", "content"] {
         metrics::counter!("replayguard_duplicates_total", "reason" => reason).increment(0);
+    }
+    // No partition before the first assignment.
+    for name in [
+        "replayguard_assigned_partitions",
+        "replayguard_held_partitions",
+    ] {
+        metrics::gauge!(name).set(0.0);
     }
 }
