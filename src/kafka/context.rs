@@ -379,6 +379,12 @@ impl Core {
         if let Ok(assigned) = consumer.assignment() {
             metrics::gauge!("replayguard_assigned_partitions").set(assigned.count() as f64);
         }
+        self.publish_held();
+    }
+
+    /// Sets the gauge of the held partitions alone: a release or a new
+    /// hold leaves the assignment as it was.
+    fn publish_held(&self) {
         let held = self.lock().held.as_ref().map_or(0, |h| h.partitions.len());
         metrics::gauge!("replayguard_held_partitions").set(held as f64);
     }
@@ -412,6 +418,21 @@ impl Core {
         let Some(held) = held else {
             return Ok(None);
         };
+        let released = self.release(consumer, held);
+        // Resumed, held again after a refused claim, or stopped: taken
+        // from the state either way.
+        self.publish_held();
+        released
+    }
+
+    /// Reconciles the output of partitions whose wait is over (once),
+    /// claims them, and resumes them from their starts; a refused claim
+    /// holds them again, and returns when to try again.
+    fn release(
+        &self,
+        consumer: &impl Consumer<GuardContext>,
+        held: Held,
+    ) -> Result<Option<Instant>> {
         if !held.reconciled {
             self.hooks
                 .reconcile(self, held.manifest.as_ref(), &held.commits)?;
@@ -432,9 +453,9 @@ impl Core {
             starts
         };
         if let Some(error) = self.claim(consumer, &starts, held.manifest.as_ref(), &held.commits)? {
-            let until = self.hold_unclaimed(&starts, held.from, error, held.refusal);
-            self.publish_partitions(consumer);
-            return until.map(Some);
+            return self
+                .hold_unclaimed(&starts, held.from, error, held.refusal)
+                .map(Some);
         }
         let mut tpl = TopicPartitionList::new();
         for (t, p, next) in &starts {
@@ -451,7 +472,6 @@ impl Core {
                 .resume(&tpl)
                 .map_err(kafka("resuming held partitions"))?;
         }
-        self.publish_partitions(consumer);
         tracing::info!(
             previous_owner = %held.from,
             partitions = tpl.count(),
