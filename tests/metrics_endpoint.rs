@@ -241,6 +241,45 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     check_each_once(&got, 1..=1000)?;
     assert_eq!(got.len() as f64, value(&s, "replayguard_outputs_total"));
 
+    // A second member joins: one partition moves to it and the first
+    // member's gauge follows the revoke; when it leaves, the partition
+    // comes back.
+    let second_port = free_port()?;
+    let mut second = Proc::spawn(
+        "second pipe".into(),
+        &mut pipe(&broker, &dir.path().join("second"), second_port, &[]),
+        dir.path().join("second.log"),
+    )?;
+    scrape_until(
+        &agent,
+        &mut second,
+        second_port,
+        "one partition for the second member",
+        |s| value(s, "replayguard_assigned_partitions") == 1.0,
+    )?;
+    scrape_until(
+        &agent,
+        &mut proc,
+        port,
+        "one partition left to the first member",
+        |s| value(s, "replayguard_assigned_partitions") == 1.0,
+    )?;
+    send_signal(second.child.id(), "TERM")?;
+    let status = second.wait(LIMIT)?;
+    assert!(status.success(), "{status}; stderr:\n{}", second.log_tail());
+    scrape_until(
+        &agent,
+        &mut proc,
+        port,
+        "both partitions back with the first member",
+        |s| {
+            value(s, "replayguard_assigned_partitions") == 2.0
+                && value(s, "replayguard_held_partitions") == 0.0
+        },
+    )?;
+    let got = integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?;
+    check_each_once(&got, 1..=1000)?;
+
     send_signal(proc.child.id(), "TERM")?;
     let status = proc.wait(LIMIT)?;
     assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());

@@ -372,13 +372,12 @@ impl Core {
     }
 
     /// Sets the gauges of this instance's partitions: those assigned to it
-    /// (librdkafka's assignment), and of them those held, paused with
-    /// nothing written, for a previous owner's outputs in flight or for a
-    /// claim the broker has not taken yet.
-    fn publish_partitions(&self, consumer: &impl Consumer<GuardContext>) {
-        if let Ok(assigned) = consumer.assignment() {
-            metrics::gauge!("replayguard_assigned_partitions").set(assigned.count() as f64);
-        }
+    /// (as its rebalance callback applied them), and of them those held,
+    /// paused with nothing written, for a previous owner's outputs in
+    /// flight or for a claim the broker has not taken yet.
+    fn publish_partitions(&self) {
+        let assigned = self.lock().assigned.len();
+        metrics::gauge!("replayguard_assigned_partitions").set(assigned as f64);
         self.publish_held();
     }
 
@@ -1079,6 +1078,13 @@ impl ConsumerContext for GuardContext {
                 } else {
                     consumer.assign(tpl)
                 };
+                if assigned.is_ok() {
+                    let mut s = self.core.lock();
+                    if !cooperative {
+                        s.assigned.clear();
+                    }
+                    s.assigned.extend(partitions(tpl));
+                }
                 assigned.and_then(|()| match self.core.held_list() {
                     Some(held) => consumer.pause(&held),
                     None => Ok(()),
@@ -1090,6 +1096,16 @@ impl ConsumerContext for GuardContext {
                 } else {
                     self.core.on_revoke(consumer, tpl);
                 }
+                {
+                    let mut s = self.core.lock();
+                    if cooperative {
+                        for tp in partitions(tpl) {
+                            s.assigned.remove(&tp);
+                        }
+                    } else {
+                        s.assigned.clear();
+                    }
+                }
                 if cooperative {
                     consumer.incremental_unassign(tpl)
                 } else {
@@ -1098,6 +1114,7 @@ impl ConsumerContext for GuardContext {
             }
             other => {
                 tracing::error!(error = ?other, "rebalance error");
+                self.core.lock().assigned.clear();
                 consumer.unassign()
             }
         };
@@ -1107,6 +1124,11 @@ impl ConsumerContext for GuardContext {
                 source: e,
             });
         }
-        self.core.publish_partitions(consumer);
+        // Nothing here asks librdkafka anything once the assignment is
+        // applied: a request to the consumer group (the assignment, say)
+        // made by the callback of a closing consumer can reach the group
+        // after it terminated, which drops it unanswered, and the call
+        // never returns, so neither does the close.
+        self.core.publish_partitions();
     }
 }

@@ -118,13 +118,25 @@ use rdkafka::message::{Headers, Message};
 use crate::fingerprint::{Fingerprint, Identity};
 
 /// Runs `close` (dropping Kafka clients, which can block for seconds) on a
-/// blocking thread, waiting at most `timeout`.
+/// thread of its own, waiting at most `timeout`. Not on tokio's blocking
+/// pool: a runtime waits for its blocking tasks when it shuts down, so a
+/// close that never ended would keep the program from ending too.
 async fn close_bounded(
     close: impl FnOnce() + Send + 'static,
     timeout: std::time::Duration,
 ) -> crate::Result<()> {
-    let closing = tokio::task::spawn_blocking(close);
-    match tokio::time::timeout(timeout, closing).await {
+    let (done, closed) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("replayguard-close".into())
+        .spawn(move || {
+            close();
+            let _ = done.send(());
+        })
+        .map_err(|e| crate::Error::Stopped {
+            reason: format!("cannot start a thread to close the Kafka clients: {e}"),
+            after: None,
+        })?;
+    match tokio::time::timeout(timeout, closed).await {
         Ok(_) => Ok(()),
         Err(_) => Err(crate::Error::Stopped {
             reason: format!(

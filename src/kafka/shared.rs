@@ -229,6 +229,10 @@ pub(crate) struct Shared {
     pub at_eof: FxHashSet<i32>,
     /// Partitions assigned but not recovered yet, see [`Held`].
     pub held: Option<Held>,
+    /// The partitions assigned to this instance, as its rebalance callback
+    /// applied them (kept here rather than asked of librdkafka there: see
+    /// `GuardContext::rebalance`).
+    pub assigned: BTreeSet<Partition>,
     /// High watermark of each assigned partition, and a position to count
     /// lag from until the guard has one, from librdkafka's last
     /// statistics; empty without them.
@@ -256,6 +260,7 @@ impl Shared {
             partial: FxHashMap::default(),
             at_eof: FxHashSet::default(),
             held: None,
+            assigned: BTreeSet::new(),
             watermarks: BTreeMap::new(),
             probes: Vec::new(),
             wake: Default::default(),
