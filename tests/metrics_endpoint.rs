@@ -46,6 +46,30 @@ fn pipe(broker: &MockBroker, state: &Path, port: u16, extra: &[&str]) -> Command
     c
 }
 
+/// `pipe` started with its state in `dir/name` and its log in
+/// `dir/name.log`.
+fn spawn_pipe(
+    broker: &MockBroker,
+    dir: &Path,
+    name: &str,
+    port: u16,
+    extra: &[&str],
+) -> TestResult<Proc> {
+    Proc::spawn(
+        name.into(),
+        &mut pipe(broker, &dir.join(name), port, extra),
+        dir.join(format!("{name}.log")),
+    )
+}
+
+/// SIGTERM, then a clean exit within [`LIMIT`].
+fn stop_cleanly(proc: &mut Proc) -> TestResult {
+    send_signal(proc.child.id(), "TERM")?;
+    let status = proc.wait(LIMIT)?;
+    assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());
+    Ok(())
+}
+
 /// An HTTP client that hands back 4xx and 5xx answers as answers.
 fn client() -> ureq::Agent {
     ureq::Agent::config_builder()
@@ -157,16 +181,13 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     produce_integers(broker.bootstrap(), "in", 1..=500)?;
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
-    let mut proc = Proc::spawn(
-        "pipe".into(),
-        // Every sealed epoch's hashes on disk, and all of them live.
-        &mut pipe(
-            &broker,
-            &dir.path().join("state"),
-            port,
-            &["--max-memory", "0", "--retention-time", "1h"],
-        ),
-        dir.path().join("pipe.log"),
+    // Every sealed epoch's hashes on disk, and all of them live.
+    let mut proc = spawn_pipe(
+        &broker,
+        dir.path(),
+        "pipe",
+        port,
+        &["--max-memory", "0", "--retention-time", "1h"],
     )?;
     let agent = client();
 
@@ -245,11 +266,7 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     // member's gauge follows the revoke; when it leaves, the partition
     // comes back.
     let second_port = free_port()?;
-    let mut second = Proc::spawn(
-        "second pipe".into(),
-        &mut pipe(&broker, &dir.path().join("second"), second_port, &[]),
-        dir.path().join("second.log"),
-    )?;
+    let mut second = spawn_pipe(&broker, dir.path(), "second", second_port, &[])?;
     scrape_until(
         &agent,
         &mut second,
@@ -264,9 +281,7 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
         "one partition left to the first member",
         |s| value(s, "replayguard_assigned_partitions") == 1.0,
     )?;
-    send_signal(second.child.id(), "TERM")?;
-    let status = second.wait(LIMIT)?;
-    assert!(status.success(), "{status}; stderr:\n{}", second.log_tail());
+    stop_cleanly(&mut second)?;
     scrape_until(
         &agent,
         &mut proc,
@@ -280,9 +295,7 @@ fn counters_move_and_agree_with_the_output_read_back() -> TestResult {
     let got = integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?;
     check_each_once(&got, 1..=1000)?;
 
-    send_signal(proc.child.id(), "TERM")?;
-    let status = proc.wait(LIMIT)?;
-    assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());
+    stop_cleanly(&mut proc)?;
     Ok(())
 }
 
@@ -299,11 +312,7 @@ fn held_partitions_show_while_the_broker_refuses_their_claim() -> TestResult {
     broker.refuse_commits(8)?;
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
-    let mut proc = Proc::spawn(
-        "pipe".into(),
-        &mut pipe(&broker, &dir.path().join("state"), port, &[]),
-        dir.path().join("pipe.log"),
-    )?;
+    let mut proc = spawn_pipe(&broker, dir.path(), "pipe", port, &[])?;
     let agent = client();
 
     let before = scrape_until(&agent, &mut proc, port, "the endpoint", |_| true)?;
@@ -339,9 +348,7 @@ fn held_partitions_show_while_the_broker_refuses_their_claim() -> TestResult {
     let got = integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?;
     check_each_once(&got, 1..=100)?;
 
-    send_signal(proc.child.id(), "TERM")?;
-    let status = proc.wait(LIMIT)?;
-    assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());
+    stop_cleanly(&mut proc)?;
     Ok(())
 }
 
@@ -506,8 +513,6 @@ fn consume_serves_metrics_and_health_too() -> TestResult {
     health_until(&agent, &mut proc, port, "200", |status, body| {
         status == 200 && body.starts_with("ok")
     })?;
-    send_signal(proc.child.id(), "TERM")?;
-    let status = proc.wait(LIMIT)?;
-    assert!(status.success(), "{status}; stderr:\n{}", proc.log_tail());
+    stop_cleanly(&mut proc)?;
     Ok(())
 }

@@ -1096,19 +1096,12 @@ impl ConsumerContext for GuardContext {
                 } else {
                     self.core.on_revoke(consumer, tpl);
                 }
-                {
-                    let mut s = self.core.lock();
-                    if cooperative {
-                        for tp in partitions(tpl) {
-                            s.assigned.remove(&tp);
-                        }
-                    } else {
-                        s.assigned.clear();
-                    }
-                }
                 if cooperative {
+                    let leaving = partitions(tpl);
+                    self.core.lock().assigned.retain(|tp| !leaving.contains(tp));
                     consumer.incremental_unassign(tpl)
                 } else {
+                    self.core.lock().assigned.clear();
                     consumer.unassign()
                 }
             }
