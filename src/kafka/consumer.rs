@@ -154,7 +154,7 @@ impl GuardedConsumerBuilder {
             start_at_end: setup::starts_at_end(&cfg),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
-            cfg.create_with_context(GuardContext { core: core.clone() })
+            cfg.create_with_context(GuardContext::new(core.clone(), &cfg))
                 .map_err(kafka("creating the consumer"))?,
         );
         consumer.subscribe(&topics).map_err(kafka("subscribing"))?;

@@ -11,9 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use rdkafka::ClientConfig;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, ConsumerGroupMetadata, RebalanceProtocol,
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, ConsumerGroupMetadata,
 };
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
@@ -22,7 +23,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 
 use super::lease::Lease;
-use super::setup::kafka;
+use super::setup::{self, kafka};
 use super::shared::{Held, Offered, Partition, Position, Refusal, Shared, SinkPositions};
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, Identity};
@@ -1006,6 +1007,22 @@ struct Arrival {
 /// theirs is delivered before recovery.
 pub struct GuardContext {
     pub(crate) core: Arc<Core>,
+    /// Whether the group rebalances cooperatively (incremental assigns),
+    /// as the configuration decides ([`setup::cooperative`]). Worked out
+    /// once, so that the callback never asks librdkafka: its
+    /// `rd_kafka_rebalance_protocol()` waits for the consumer group with no
+    /// bound, and a closing consumer's group may never answer.
+    cooperative: bool,
+}
+
+impl GuardContext {
+    /// The context of a consumer made from `cfg`.
+    pub(crate) fn new(core: Arc<Core>, cfg: &ClientConfig) -> Self {
+        GuardContext {
+            core,
+            cooperative: setup::cooperative(cfg),
+        }
+    }
 }
 
 impl ClientContext for GuardContext {
@@ -1060,10 +1077,7 @@ impl ConsumerContext for GuardContext {
             let _ = consumer.unassign();
             return;
         }
-        let cooperative = matches!(
-            consumer.rebalance_protocol(),
-            RebalanceProtocol::Cooperative
-        );
+        let cooperative = self.cooperative;
         let r = match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 if let Err(e) = self.core.on_assign(consumer, tpl) {
@@ -1117,11 +1131,11 @@ impl ConsumerContext for GuardContext {
                 source: e,
             });
         }
-        // Nothing here asks librdkafka anything once the assignment is
-        // applied: a request to the consumer group (the assignment, say)
-        // made by the callback of a closing consumer can reach the group
-        // after it terminated, which drops it unanswered, and the call
-        // never returns, so neither does the close.
+        // Nothing here asks librdkafka anything but to apply the
+        // assignment: a request to the consumer group (the assignment, the
+        // rebalance protocol) made by the callback of a closing consumer
+        // can reach the group after it terminated, which drops it
+        // unanswered, and the call never returns, so neither does the close.
         self.core.publish_partitions();
     }
 }

@@ -180,6 +180,20 @@ pub(crate) fn uses_consumer_protocol(cfg: &ClientConfig) -> bool {
         .is_some_and(|p| p.eq_ignore_ascii_case("consumer"))
 }
 
+/// Whether a consumer made from `cfg` rebalances cooperatively, so that
+/// its rebalance callback must assign and revoke incrementally. The new
+/// group protocol always does; the classic one does when its assignors
+/// are cooperative, which in librdkafka means `cooperative-sticky`
+/// (librdkafka refuses a list that mixes cooperative and eager ones, and
+/// its default, `range,roundrobin`, is eager). Names are matched as
+/// librdkafka matches them: by case, spaces before them skipped.
+pub(crate) fn cooperative(cfg: &ClientConfig) -> bool {
+    uses_consumer_protocol(cfg)
+        || cfg
+            .get("partition.assignment.strategy")
+            .is_some_and(|list| list.split(',').any(|a| a.trim() == "cooperative-sticky"))
+}
+
 /// Refuses a producer configuration that cannot give exactly-once output.
 pub(crate) fn idempotent_producer_config(cfg: &ClientConfig) -> Result<ClientConfig> {
     let mut cfg = cfg.clone();
@@ -405,4 +419,82 @@ pub(crate) async fn on_blocking_thread<T: Send + 'static>(
             reason: format!("{what} did not finish: {e}"),
             after: None,
         })?
+}
+
+#[cfg(test)]
+mod test {
+    use std::time::Instant;
+
+    use rdkafka::consumer::RebalanceProtocol;
+    use rdkafka::mocking::MockCluster;
+
+    use super::*;
+
+    /// The protocol worked out from the configuration is the one librdkafka
+    /// reports once the consumer holds partitions, for each kind of
+    /// assignor list (asked here from the test, not from a callback).
+    #[test]
+    fn the_rebalance_protocol_follows_from_the_configuration() -> Result<()> {
+        let cluster = MockCluster::new(1).map_err(kafka("starting a mock cluster"))?;
+        cluster
+            .create_topic("t", 2, 1)
+            .map_err(kafka("creating a topic"))?;
+        let cases = [
+            (Some("group.protocol=consumer"), true),
+            (None, true),
+            (Some("cooperative-sticky"), true),
+            (Some(" cooperative-sticky"), true),
+            (Some("range"), false),
+            (Some("roundrobin"), false),
+            (Some("range, roundrobin"), false),
+        ];
+        // One consumer a case, each in its own group, side by side: each
+        // waits a few seconds for its group to form.
+        let servers = cluster.bootstrap_servers();
+        let runs: Vec<_> = cases
+            .into_iter()
+            .enumerate()
+            .map(|(n, (strategy, want))| {
+                let servers = servers.clone();
+                std::thread::spawn(move || -> Result<()> {
+                    let mut user = ClientConfig::new();
+                    user.set("bootstrap.servers", servers)
+                        .set("group.id", format!("g{n}"));
+                    match strategy {
+                        Some("group.protocol=consumer") => user.set("group.protocol", "consumer"),
+                        Some(s) => user.set("partition.assignment.strategy", s),
+                        None => &mut user,
+                    };
+                    let cfg = guarded_consumer_config(&user, &format!("i{n}"), false)?;
+                    assert_eq!(cooperative(&cfg), want, "{strategy:?}");
+                    let consumer: BaseConsumer =
+                        cfg.create().map_err(kafka("creating a consumer"))?;
+                    consumer.subscribe(&["t"]).map_err(kafka("subscribing"))?;
+                    let start = Instant::now();
+                    while consumer.assignment().map(|a| a.count()).unwrap_or(0) == 0 {
+                        assert!(
+                            start.elapsed() < Duration::from_secs(30),
+                            "{strategy:?}: no assignment within 30 s"
+                        );
+                        let _ = consumer.poll(Duration::from_millis(100));
+                    }
+                    let reported = match consumer.rebalance_protocol() {
+                        RebalanceProtocol::Cooperative => "cooperative",
+                        RebalanceProtocol::Eager => "eager",
+                        RebalanceProtocol::None => "none",
+                    };
+                    let expected = if want { "cooperative" } else { "eager" };
+                    assert_eq!(reported, expected, "{strategy:?}");
+                    Ok(())
+                })
+            })
+            .collect();
+        for run in runs {
+            match run.join() {
+                Ok(r) => r?,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        Ok(())
+    }
 }

@@ -265,7 +265,7 @@ impl GuardedPipelineBuilder {
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg
-                .create_with_context(GuardContext { core: core.clone() })
+                .create_with_context(GuardContext::new(core.clone(), &consumer_cfg))
                 .map_err(kafka("creating the consumer"))?,
         );
         let inputs: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
