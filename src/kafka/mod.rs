@@ -137,7 +137,14 @@ async fn close_bounded(
             after: None,
         })?;
     match tokio::time::timeout(timeout, closed).await {
-        Ok(_) => Ok(()),
+        Ok(Ok(())) => Ok(()),
+        // The thread ended without saying it closed: the close panicked
+        // (the panic is printed), so the clients and the state may not
+        // have been closed cleanly.
+        Ok(Err(_)) => Err(crate::Error::Stopped {
+            reason: "closing the Kafka clients panicked; the state folder may not have been closed cleanly (the next start recovers from its last checkpoint)".into(),
+            after: None,
+        }),
         Err(_) => Err(crate::Error::Stopped {
             reason: format!(
                 "closing the Kafka clients took longer than {timeout:?}; they go on closing in the background"
@@ -153,4 +160,31 @@ pub(crate) fn identify(identity: &Identity, m: &impl Message) -> Option<Fingerpr
         let headers = m.headers()?;
         headers.iter().find(|h| h.key == name).map(|h| h.value)
     })
+}
+
+#[cfg(test)]
+mod test {
+    use std::time::Duration;
+
+    use super::close_bounded;
+
+    #[tokio::test]
+    async fn a_bounded_close_tells_a_close_that_ended_from_one_that_did_not() {
+        assert!(close_bounded(|| (), Duration::from_secs(5)).await.is_ok());
+        let panicked =
+            close_bounded(|| panic!("a close that panics"), Duration::from_secs(5)).await;
+        assert!(
+            panicked.is_err_and(|e| e.to_string().contains("panicked")),
+            "a close that panicked is an error"
+        );
+        let slow = close_bounded(
+            || std::thread::sleep(Duration::from_secs(2)),
+            Duration::from_millis(100),
+        )
+        .await;
+        assert!(
+            slow.is_err_and(|e| e.to_string().contains("took longer than")),
+            "a close past the bound is an error"
+        );
+    }
 }
