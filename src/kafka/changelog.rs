@@ -113,6 +113,8 @@ pub(crate) struct Changelog {
     /// tombstones follow the next checkpoint, which ships those
     /// identities as this instance's.
     taken_over: Mutex<Vec<ChangelogKey>>,
+    /// Its metric series, under the guard's labels.
+    meters: super::telemetry::ChangelogMeters,
 }
 
 /// What one restore did, for logs and tests.
@@ -132,11 +134,15 @@ impl Changelog {
         o: &super::GuardOptions,
         partitions: usize,
         writer: &str,
+        meters: &super::telemetry::Meters,
     ) -> Result<Option<Self>> {
         let group = setup::group_id(user)?;
         o.changelog
             .as_deref()
-            .map(|topic| Self::open(user, topic, partitions, &group, writer, o.timeout))
+            .map(|topic| {
+                let meters = meters.changelog();
+                Self::open(user, topic, partitions, &group, writer, o.timeout, meters)
+            })
             .transpose()
     }
 
@@ -153,6 +159,7 @@ impl Changelog {
         group: &str,
         writer: &str,
         timeout: Duration,
+        meters: super::telemetry::ChangelogMeters,
     ) -> Result<Self> {
         let connection = setup::connection_config(user);
         ensure_topic(&connection, topic, partitions, timeout)?;
@@ -172,6 +179,7 @@ impl Changelog {
             connection,
             timeout,
             taken_over: Mutex::new(Vec::new()),
+            meters,
         })
     }
 
@@ -196,9 +204,12 @@ impl Changelog {
             }
             match self.producer.send(record) {
                 Ok(()) => {
-                    let kind = if value.is_some() { "part" } else { "tombstone" };
-                    metrics::counter!("replayguard_changelog_records_total", "kind" => kind)
-                        .increment(1);
+                    let kind = if value.is_some() {
+                        &self.meters.parts
+                    } else {
+                        &self.meters.tombstones
+                    };
+                    kind.increment(1);
                     return Ok(());
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
@@ -275,7 +286,8 @@ impl Changelog {
         self.send_all(&open)?;
         let started = Instant::now();
         let ends = self.wait_acked()?;
-        metrics::histogram!("replayguard_changelog_wait_seconds")
+        self.meters
+            .wait_seconds
             .record(started.elapsed().as_secs_f64());
         if let Some(sink) = s.sink.as_mut() {
             sink.changelog.extend(ends);
@@ -413,7 +425,7 @@ impl Changelog {
                 return Ok(restored);
             };
             let n = guard.import(lane, &chunk)?;
-            metrics::counter!("replayguard_changelog_restored_identities_total").increment(n);
+            self.meters.restored.increment(n);
             restored.identities += n;
             restored.records += 1;
             if setup::fault("kill-mid-restore") {

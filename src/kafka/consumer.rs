@@ -120,18 +120,20 @@ impl GuardedConsumerBuilder {
             .with_changelog(o.changelog.clone());
         // The changelog is checked before the folder is bound to it.
         let token = setup::instance_token(&self.state)?;
+        let meters = Arc::new(super::telemetry::Meters::new(&o.metric_labels));
         let changelog = super::changelog::Changelog::for_options(
             &self.config,
             o,
             counts.iter().copied().max().unwrap_or(1),
             &token,
+            &meters,
         )?;
         crate::job::bind(&self.state, &job, o.rebind)?;
         let instance = setup::instance_id(&self.state, &group, &self.topics)?;
         let cfg = setup::guarded_consumer_config(&self.config, &instance, o.stop_at_end)?;
         let fenced = !setup::fault("no-fencing");
         let lease = o.lease.unwrap_or_else(|| setup::lease_length(&cfg));
-        let mut shared = Shared::new(Some(guard));
+        let mut shared = Shared::new(Some(guard), meters.clone());
         if changelog.is_some() {
             // The changelog's ends go into the manifest and commit metadata.
             shared.sink = Some(super::shared::resumed_sink(
@@ -152,6 +154,7 @@ impl GuardedConsumerBuilder {
             changelog,
             metadata_taken: Default::default(),
             start_at_end: setup::starts_at_end(&cfg),
+            meters,
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             cfg.create_with_context(GuardContext::new(core.clone(), &cfg))
@@ -396,7 +399,9 @@ impl GuardedConsumer {
         if let Ok(mut t) = self.last_checkpoint.lock() {
             *t = Instant::now();
         }
-        metrics::histogram!("replayguard_checkpoint_seconds")
+        self.core
+            .meters
+            .checkpoint_seconds
             .record(started.elapsed().as_secs_f64());
         Ok(())
     }

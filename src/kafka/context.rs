@@ -104,6 +104,8 @@ pub(crate) struct Core {
     /// `auto.offset.reset` points at a partition's end: where a partition
     /// with no position anywhere starts.
     pub start_at_end: bool,
+    /// This guard's metric series (the same as `Shared::meters`).
+    pub meters: Arc<super::telemetry::Meters>,
 }
 
 /// Offsets to commit, with metadata, as librdkafka takes them.
@@ -378,7 +380,7 @@ impl Core {
     /// flight or for a claim the broker has not taken yet.
     fn publish_partitions(&self) {
         let assigned = self.lock().assigned.len();
-        metrics::gauge!("replayguard_assigned_partitions").set(assigned as f64);
+        self.meters.assigned_partitions.set(assigned as f64);
         self.publish_held();
     }
 
@@ -386,7 +388,7 @@ impl Core {
     /// hold leaves the assignment as it was.
     fn publish_held(&self) {
         let held = self.lock().held.as_ref().map_or(0, |h| h.partitions.len());
-        metrics::gauge!("replayguard_held_partitions").set(held as f64);
+        self.meters.held_partitions.set(held as f64);
     }
 
     /// The held partitions, as a list to pause.
@@ -685,7 +687,8 @@ impl Core {
             return;
         }
         self.lock().forget(&leaving);
-        metrics::histogram!("replayguard_checkpoint_seconds")
+        self.meters
+            .checkpoint_seconds
             .record(started.elapsed().as_secs_f64());
         tracing::info!(
             ms = started.elapsed().as_millis() as u64,
@@ -735,7 +738,7 @@ impl Core {
         if self.hooks.writes() && !arrival.starts.is_empty() {
             match arrival.zombie.filter(|(w, _)| self.fenced && !w.is_zero()) {
                 Some((wait, from)) => {
-                    super::lease::note_wait(wait, &from);
+                    super::lease::note_wait(wait, &from, &self.meters);
                     self.hold(
                         &arrival.starts,
                         wait,
@@ -778,7 +781,7 @@ impl Core {
             }
         }
         let elapsed = started.elapsed();
-        metrics::histogram!("replayguard_recovery_seconds").record(elapsed.as_secs_f64());
+        self.meters.recovery_seconds.record(elapsed.as_secs_f64());
         self.lock().publish_state();
         tracing::info!(
             ms = elapsed.as_millis() as u64,
@@ -948,7 +951,7 @@ impl Core {
         earlier: Option<Refusal>,
     ) -> Result<Instant> {
         let refusal = Refusal::after(earlier, error);
-        metrics::counter!("replayguard_claims_refused_total").increment(1);
+        self.meters.claims_refused.increment(1);
         let refused_for = refusal.since.elapsed();
         if refused_for >= self.timeout {
             return Err(Error::Stopped {

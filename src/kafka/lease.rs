@@ -138,13 +138,13 @@ fn watch(lease: &Lease, stopped: &Receiver<()>) {
 
 /// Says that arriving partitions wait `wait` for the outputs `from` may
 /// still have in flight before they are reconciled.
-pub(crate) fn note_wait(wait: Duration, from: &str) {
+pub(crate) fn note_wait(wait: Duration, from: &str, meters: &super::telemetry::Meters) {
     tracing::warn!(
         previous_owner = from,
         seconds = wait.as_secs_f64(),
         "partitions arrive without a clean handover; they stay paused while outputs their previous owner may still have in flight land, then the output is reconciled"
     );
-    metrics::histogram!("replayguard_fence_wait_seconds").record(wait.as_secs_f64());
+    meters.fence_wait_seconds.record(wait.as_secs_f64());
 }
 
 #[cfg(test)]

@@ -41,6 +41,7 @@ pub struct GuardOptions {
     pub(crate) lease: Option<Duration>,
     pub(crate) rebind: bool,
     pub(crate) changelog: Option<String>,
+    pub(crate) metric_labels: Vec<(String, String)>,
 }
 
 impl Default for GuardOptions {
@@ -58,6 +59,7 @@ impl Default for GuardOptions {
             lease: None,
             rebind: false,
             changelog: None,
+            metric_labels: Vec::new(),
         }
     }
 }
@@ -176,6 +178,27 @@ impl GuardOptions {
         self
     }
 
+    /// Labels on every metric series this consumer or pipeline emits
+    /// (through the `metrics` facade, to the recorder installed when it is
+    /// built), so that several in one process keep their series apart:
+    /// `[("pipeline", "orders")]` gives
+    /// `replayguard_live_fingerprints{pipeline="orders"}`. Default none.
+    /// Without distinct labels, guards in one process share their series,
+    /// and each overwrites the others' gauges. Names must be Prometheus
+    /// label names, given once, and not `reason`, `kind`, `topic` or
+    /// `partition`, which the adapters set on some series themselves.
+    pub fn metric_labels<K, V>(mut self, labels: impl IntoIterator<Item = (K, V)>) -> Self
+    where
+        K: Into<String>,
+        V: Into<String>,
+    {
+        self.metric_labels = labels
+            .into_iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        self
+    }
+
     /// Checks every option against its bounds (the engine checks its own
     /// when it opens).
     ///
@@ -222,6 +245,7 @@ impl GuardOptions {
         {
             return Err(Error::Config("lease must be between 100ms and 1h".into()));
         }
+        super::telemetry::check_labels(&self.metric_labels).map_err(Error::Config)?;
         Ok(())
     }
 
@@ -244,6 +268,12 @@ mod test {
     #[test]
     fn out_of_bounds_options_are_refused_by_name() {
         assert!(GuardOptions::default().validate().is_ok());
+        assert!(
+            GuardOptions::default()
+                .metric_labels([("pipeline", "orders"), ("_zone", "b")])
+                .validate()
+                .is_ok()
+        );
         for (options, name) in [
             (
                 GuardOptions::default().checkpoint_interval(Duration::from_millis(1)),
@@ -257,6 +287,26 @@ mod test {
             (
                 GuardOptions::default().lease(Duration::from_millis(1)),
                 "lease",
+            ),
+            (
+                GuardOptions::default().metric_labels([("1st", "a")]),
+                "not a Prometheus label name",
+            ),
+            (
+                GuardOptions::default().metric_labels([("a-b", "a")]),
+                "not a Prometheus label name",
+            ),
+            (
+                GuardOptions::default().metric_labels([("__name", "a")]),
+                "not a Prometheus label name",
+            ),
+            (
+                GuardOptions::default().metric_labels([("topic", "a")]),
+                "the adapters set themselves",
+            ),
+            (
+                GuardOptions::default().metric_labels([("job", "a"), ("job", "b")]),
+                "given twice",
             ),
         ] {
             match options.validate() {

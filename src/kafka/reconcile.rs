@@ -100,7 +100,7 @@ impl Reconciler {
             ms = started.elapsed().as_millis() as u64,
             "output reconciled"
         );
-        metrics::counter!("replayguard_reconciled_identities_total").increment(found);
+        core.meters.reconciled.increment(found);
         Ok(found)
     }
 

@@ -245,12 +245,16 @@ pub(crate) struct Shared {
     /// records, and it learns when to release them; or a callback
     /// (rebalance, delivery, client error) stopped the guard.
     pub wake: std::sync::Arc<tokio::sync::Notify>,
+    /// This guard's metric series.
+    pub meters: std::sync::Arc<super::telemetry::Meters>,
 }
 
 impl Shared {
-    /// Shared state around a guard (none in the baselines).
-    pub fn new(guard: Option<Guard>) -> Self {
+    /// Shared state around a guard (none in the baselines), emitting to
+    /// `meters`.
+    pub fn new(guard: Option<Guard>, meters: std::sync::Arc<super::telemetry::Meters>) -> Self {
         Shared {
+            meters,
             guard,
             tracks: FxHashMap::default(),
             sink: None,
@@ -374,7 +378,7 @@ impl Shared {
             return false;
         }
         self.counters.records_in += 1;
-        metrics::counter!("replayguard_records_in_total").increment(1);
+        self.meters.records_in.increment(1);
         self.at_eof.remove(&r.partition);
         let t = self.track(r.topic, r.partition);
         if t.next.is_some_and(|n| r.offset < n) {
@@ -391,11 +395,10 @@ impl Shared {
         };
         if let Some(reason) = reason {
             self.counters.duplicates += 1;
-            let label = match reason {
-                Reason::SamePosition => "position",
-                Reason::SameContent => "content",
-            };
-            metrics::counter!("replayguard_duplicates_total", "reason" => label).increment(1);
+            match reason {
+                Reason::SamePosition => self.meters.duplicates_position.increment(1),
+                Reason::SameContent => self.meters.duplicates_content.increment(1),
+            }
             return false;
         }
         // In flight from here: a checkpoint while it is processed does not
@@ -497,12 +500,12 @@ impl Shared {
             .map(|(t, p, pos, _)| (t, p, pos))
             .collect();
         self.counters.checkpoints += 1;
-        metrics::counter!("replayguard_checkpoints_total").increment(1);
+        self.meters.checkpoints.increment(1);
         self.publish_state();
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        metrics::gauge!("replayguard_last_checkpoint_timestamp_seconds").set(now.as_secs_f64());
+        self.meters.last_checkpoint.set(now.as_secs_f64());
         Ok((commit, meta))
     }
 
@@ -511,18 +514,19 @@ impl Shared {
     pub fn publish_state(&self) {
         if let Some(g) = self.guard.as_ref() {
             let st = g.stats();
-            metrics::gauge!("replayguard_live_fingerprints").set(st.live_fingerprints as f64);
-            metrics::gauge!("replayguard_live_epochs").set(st.live_epochs as f64);
-            metrics::gauge!("replayguard_live_offsets").set(st.live_offsets as f64);
-            metrics::gauge!("replayguard_epoch").set(st.epoch as f64);
-            metrics::gauge!("replayguard_state_memory_bytes").set(st.memory_bytes as f64);
-            metrics::gauge!("replayguard_state_disk_bytes").set(st.disk_bytes as f64);
-            metrics::gauge!("replayguard_disk_fingerprints").set(st.disk_fingerprints as f64);
-            metrics::gauge!("replayguard_state_disk_filter_bytes").set(st.disk_filter_bytes as f64);
-            metrics::gauge!("replayguard_state_disk_index_bytes").set(st.disk_index_bytes as f64);
+            let m = &self.meters;
+            m.live_fingerprints.set(st.live_fingerprints as f64);
+            m.live_epochs.set(st.live_epochs as f64);
+            m.live_offsets.set(st.live_offsets as f64);
+            m.epoch.set(st.epoch as f64);
+            m.state_memory_bytes.set(st.memory_bytes as f64);
+            m.state_disk_bytes.set(st.disk_bytes as f64);
+            m.disk_fingerprints.set(st.disk_fingerprints as f64);
+            m.state_disk_filter_bytes.set(st.disk_filter_bytes as f64);
+            m.state_disk_index_bytes.set(st.disk_index_bytes as f64);
             // Counted by the engine since it opened.
-            metrics::counter!("replayguard_disk_reads_total").absolute(st.disk_reads);
-            metrics::counter!("replayguard_disk_hits_total").absolute(st.disk_hits);
+            m.disk_reads.absolute(st.disk_reads);
+            m.disk_hits.absolute(st.disk_hits);
         }
     }
 
@@ -538,21 +542,11 @@ impl Shared {
         let lag = self.lag();
         for (topic, partition) in old.keys() {
             if !lag.contains_key(&(topic.clone(), *partition)) {
-                metrics::gauge!(
-                    "replayguard_consumer_lag",
-                    "topic" => topic.clone(),
-                    "partition" => partition.to_string()
-                )
-                .set(0.0);
+                self.meters.lag(topic, *partition).set(0.0);
             }
         }
         for ((topic, partition), l) in &lag {
-            metrics::gauge!(
-                "replayguard_consumer_lag",
-                "topic" => topic.clone(),
-                "partition" => partition.to_string()
-            )
-            .set(*l as f64);
+            self.meters.lag(topic, *partition).set(*l as f64);
         }
     }
 
@@ -640,7 +634,7 @@ mod test {
 
     #[test]
     fn lag_is_the_watermark_less_the_position_now() {
-        let mut s = Shared::new(None);
+        let mut s = Shared::new(None, Default::default());
         s.track("t", 0).next = Some(5);
         // No position of the guard's yet: librdkafka's is used.
         s.track("t", 1);
@@ -677,7 +671,7 @@ mod test {
     fn a_held_partition_is_neither_checkpointed_nor_committed_until_released() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let guard = Guard::builder(dir.path()).open()?;
-        let mut s = Shared::new(Some(guard));
+        let mut s = Shared::new(Some(guard), Default::default());
         s.sink = Some(SinkPositions {
             topic: "out".into(),
             ends: BTreeMap::from([(0, 40)]),

@@ -2,13 +2,20 @@
 //! once: names, units and help text. The library installs no recorder;
 //! an application that installs one (the command line's Prometheus
 //! exporter, for one) calls [`describe_metrics`] to give each its help.
+//!
+//! Each guarded consumer or pipeline registers its own series when it is
+//! built ([`Meters`]), with the labels of its options
+//! ([`super::GuardOptions::metric_labels`]), so a recorder must be
+//! installed before that.
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics::{
+    Counter, Gauge, Histogram, Label, Unit, describe_counter, describe_gauge, describe_histogram,
+};
 
 /// Describes every metric the adapters emit to the installed recorder
-/// (unit and help text), and registers the counters and the partition
-/// gauges so that they read 0 before their first event. Without a
-/// recorder it does nothing.
+/// (unit and help text). Without a recorder it does nothing. The counters
+/// and the partition gauges read 0 from the moment a guarded consumer or
+/// pipeline is built, under its labels.
 ///
 /// Counters: `replayguard_records_in_total`,
 /// `replayguard_duplicates_total` (label `reason`: `position` or
@@ -156,25 +163,173 @@ pub fn describe_metrics() {
         Unit::Seconds,
         "Time a new owner kept partitions paused for a previous owner's outputs in flight."
     );
-    for name in [
-        "replayguard_records_in_total",
-        "replayguard_outputs_total",
-        "replayguard_checkpoints_total",
-        "replayguard_reconciled_identities_total",
-        "replayguard_disk_reads_total",
-        "replayguard_disk_hits_total",
-        "replayguard_claims_refused_total",
-    ] {
-        metrics::counter!(name).increment(0);
+}
+
+/// Label names the adapters give some series themselves.
+const OWN_LABELS: [&str; 4] = ["reason", "kind", "topic", "partition"];
+
+/// Checks the labels of [`super::GuardOptions::metric_labels`]: Prometheus
+/// label names (a letter or `_`, then letters, digits or `_`; none
+/// beginning with `__`, which Prometheus keeps for itself), none of the
+/// adapters' own, none twice.
+pub(crate) fn check_labels(labels: &[(String, String)]) -> Result<(), String> {
+    for (i, (name, _)) in labels.iter().enumerate() {
+        let mut chars = name.chars();
+        let well_formed = chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !well_formed || name.starts_with("__") {
+            return Err(format!(
+                "metric label {name:?} is not a Prometheus label name (a letter or _, then letters, digits or _, not beginning with __)"
+            ));
+        }
+        if OWN_LABELS.contains(&name.as_str()) {
+            return Err(format!(
+                "metric label {name:?} is one the adapters set themselves ({}); choose another name",
+                OWN_LABELS.join(", ")
+            ));
+        }
+        if labels[..i].iter().any(|(n, _)| n == name) {
+            return Err(format!("metric label {name:?} is given twice"));
+        }
     }
-    for reason in ["position", "content"] {
-        metrics::counter!("replayguard_duplicates_total", "reason" => reason).increment(0);
+    Ok(())
+}
+
+/// The series of one guarded consumer or pipeline, registered once when it
+/// is built, under its labels: two in one process then keep apart when
+/// their labels differ (with the same labels, or none, they share the
+/// series, and their gauges overwrite each other's). Registering reads 0
+/// for the counters and the partition gauges at once.
+pub(crate) struct Meters {
+    labels: Vec<Label>,
+    pub records_in: Counter,
+    pub duplicates_position: Counter,
+    pub duplicates_content: Counter,
+    pub outputs: Counter,
+    pub checkpoints: Counter,
+    pub reconciled: Counter,
+    pub claims_refused: Counter,
+    pub disk_reads: Counter,
+    pub disk_hits: Counter,
+    pub assigned_partitions: Gauge,
+    pub held_partitions: Gauge,
+    pub live_epochs: Gauge,
+    pub live_fingerprints: Gauge,
+    pub live_offsets: Gauge,
+    pub epoch: Gauge,
+    pub state_memory_bytes: Gauge,
+    pub state_disk_bytes: Gauge,
+    pub disk_fingerprints: Gauge,
+    pub state_disk_filter_bytes: Gauge,
+    pub state_disk_index_bytes: Gauge,
+    pub last_checkpoint: Gauge,
+    pub checkpoint_seconds: Histogram,
+    pub recovery_seconds: Histogram,
+    pub fence_wait_seconds: Histogram,
+}
+
+/// The series of a changelog, registered only when a job keeps one.
+pub(crate) struct ChangelogMeters {
+    pub parts: Counter,
+    pub tombstones: Counter,
+    pub restored: Counter,
+    pub wait_seconds: Histogram,
+}
+
+#[cfg(test)]
+impl Default for Meters {
+    /// The series without labels.
+    fn default() -> Self {
+        Meters::new(&[])
     }
-    // No partition before the first assignment.
-    for name in [
-        "replayguard_assigned_partitions",
-        "replayguard_held_partitions",
-    ] {
-        metrics::gauge!(name).set(0.0);
+}
+
+impl Meters {
+    /// Registers the series under `labels` with the recorder installed now.
+    pub fn new(labels: &[(String, String)]) -> Self {
+        let labels: Vec<Label> = labels
+            .iter()
+            .map(|(k, v)| Label::new(k.clone(), v.clone()))
+            .collect();
+        let with = |k: &'static str, v: &'static str| {
+            let mut l = labels.clone();
+            l.push(Label::new(k, v));
+            l
+        };
+        let counter = |name: &'static str, l: Vec<Label>| {
+            let c = metrics::counter!(name, l);
+            c.increment(0);
+            c
+        };
+        let gauge = |name: &'static str| metrics::gauge!(name, labels.clone());
+        let histogram = |name: &'static str| metrics::histogram!(name, labels.clone());
+        let m = Meters {
+            records_in: counter("replayguard_records_in_total", labels.clone()),
+            duplicates_position: counter(
+                "replayguard_duplicates_total",
+                with("reason", "position"),
+            ),
+            duplicates_content: counter("replayguard_duplicates_total", with("reason", "content")),
+            outputs: counter("replayguard_outputs_total", labels.clone()),
+            checkpoints: counter("replayguard_checkpoints_total", labels.clone()),
+            reconciled: counter("replayguard_reconciled_identities_total", labels.clone()),
+            claims_refused: counter("replayguard_claims_refused_total", labels.clone()),
+            disk_reads: counter("replayguard_disk_reads_total", labels.clone()),
+            disk_hits: counter("replayguard_disk_hits_total", labels.clone()),
+            assigned_partitions: gauge("replayguard_assigned_partitions"),
+            held_partitions: gauge("replayguard_held_partitions"),
+            live_epochs: gauge("replayguard_live_epochs"),
+            live_fingerprints: gauge("replayguard_live_fingerprints"),
+            live_offsets: gauge("replayguard_live_offsets"),
+            epoch: gauge("replayguard_epoch"),
+            state_memory_bytes: gauge("replayguard_state_memory_bytes"),
+            state_disk_bytes: gauge("replayguard_state_disk_bytes"),
+            disk_fingerprints: gauge("replayguard_disk_fingerprints"),
+            state_disk_filter_bytes: gauge("replayguard_state_disk_filter_bytes"),
+            state_disk_index_bytes: gauge("replayguard_state_disk_index_bytes"),
+            last_checkpoint: gauge("replayguard_last_checkpoint_timestamp_seconds"),
+            checkpoint_seconds: histogram("replayguard_checkpoint_seconds"),
+            recovery_seconds: histogram("replayguard_recovery_seconds"),
+            fence_wait_seconds: histogram("replayguard_fence_wait_seconds"),
+            labels,
+        };
+        // No partition before the first assignment.
+        m.assigned_partitions.set(0.0);
+        m.held_partitions.set(0.0);
+        m
+    }
+
+    /// The changelog's series, under the same labels.
+    pub fn changelog(&self) -> ChangelogMeters {
+        let with = |k: &'static str, v: &'static str| {
+            let mut l = self.labels.clone();
+            l.push(Label::new(k, v));
+            l
+        };
+        ChangelogMeters {
+            parts: metrics::counter!("replayguard_changelog_records_total", with("kind", "part")),
+            tombstones: metrics::counter!(
+                "replayguard_changelog_records_total",
+                with("kind", "tombstone")
+            ),
+            restored: metrics::counter!(
+                "replayguard_changelog_restored_identities_total",
+                self.labels.clone()
+            ),
+            wait_seconds: metrics::histogram!(
+                "replayguard_changelog_wait_seconds",
+                self.labels.clone()
+            ),
+        }
+    }
+
+    /// The consumer-lag gauge of one partition.
+    pub fn lag(&self, topic: &str, partition: i32) -> Gauge {
+        let mut l = self.labels.clone();
+        l.push(Label::new("topic", topic.to_owned()));
+        l.push(Label::new("partition", partition.to_string()));
+        metrics::gauge!("replayguard_consumer_lag", l)
     }
 }

@@ -189,6 +189,7 @@ impl GuardedPipelineBuilder {
             .with_changelog(o.changelog.clone());
         // The changelog is checked before the folder is bound to it.
         let token = setup::instance_token(&self.state)?;
+        let meters = Arc::new(super::telemetry::Meters::new(&o.metric_labels));
         let changelog = match self.mode {
             Mode::Guarded => super::changelog::Changelog::for_options(
                 &self.consumer,
@@ -199,6 +200,7 @@ impl GuardedPipelineBuilder {
                     .max()
                     .unwrap_or(1),
                 &token,
+                &meters,
             )?,
             _ if o.changelog.is_some() => {
                 return Err(Error::Config(
@@ -228,7 +230,7 @@ impl GuardedPipelineBuilder {
             )?),
             _ => None,
         };
-        let mut shared = Shared::new(guarded.then_some(guard));
+        let mut shared = Shared::new(guarded.then_some(guard), meters.clone());
         shared.sink = Some(crate::kafka::shared::resumed_sink(
             shared.guard.as_ref(),
             &output,
@@ -262,6 +264,7 @@ impl GuardedPipelineBuilder {
             changelog,
             metadata_taken: Default::default(),
             start_at_end: setup::starts_at_end(&consumer_cfg),
+            meters,
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg

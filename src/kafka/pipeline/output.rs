@@ -153,7 +153,7 @@ impl ProducerContext for DeliveryContext {
             }
             Ok(m) => {
                 s.counters.outputs += 1;
-                metrics::counter!("replayguard_outputs_total").increment(1);
+                s.meters.outputs.increment(1);
                 if let Some(sink) = s.sink.as_mut() {
                     let end = sink.ends.entry(m.partition()).or_insert(0);
                     *end = (*end).max(m.offset() + 1);

@@ -401,7 +401,9 @@ impl GuardedPipeline {
         if let Err(e) = self.core.checkpoint(&*self.consumer, None, mode) {
             return Err(self.core.stop(e));
         }
-        metrics::histogram!("replayguard_checkpoint_seconds")
+        self.core
+            .meters
+            .checkpoint_seconds
             .record(started.elapsed().as_secs_f64());
         Ok(())
     }
