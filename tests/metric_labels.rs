@@ -36,7 +36,7 @@ async fn drain(c: &GuardedConsumer) -> TestResult<u64> {
 }
 
 /// The value of the series `name{labels}` (labels as the exporter renders
-/// them, sorted by name), or an error listing what is there.
+/// them: in the order given), or an error listing what is there.
 fn value(handle: &PrometheusHandle, name: &str, labels: &str) -> TestResult<f64> {
     let text = handle.render();
     let series = format!("{name}{{{labels}}} ");
