@@ -4,7 +4,7 @@
 //! exporter, for one) calls [`describe_metrics`] to give each its help.
 //!
 //! Each guarded consumer or pipeline registers its own series when it is
-//! built ([`Meters`]), with the labels of its options
+//! built (`Meters`), with the labels of its options
 //! ([`super::GuardOptions::metric_labels`]), so a recorder must be
 //! installed before that.
 
