@@ -238,6 +238,11 @@ pub(crate) struct ChangelogMeters {
     pub wait_seconds: Histogram,
 }
 
+/// `base` with `extra` after it.
+fn plus(base: &[Label], extra: impl IntoIterator<Item = Label>) -> Vec<Label> {
+    base.iter().cloned().chain(extra).collect()
+}
+
 #[cfg(test)]
 impl Default for Meters {
     /// The series without labels.
@@ -253,11 +258,7 @@ impl Meters {
             .iter()
             .map(|(k, v)| Label::new(k.clone(), v.clone()))
             .collect();
-        let with = |k: &'static str, v: &'static str| {
-            let mut l = labels.clone();
-            l.push(Label::new(k, v));
-            l
-        };
+        let with = |k: &'static str, v: &'static str| plus(&labels, [Label::new(k, v)]);
         let counter = |name: &'static str, l: Vec<Label>| {
             let c = metrics::counter!(name, l);
             c.increment(0);
@@ -303,11 +304,7 @@ impl Meters {
 
     /// The changelog's series, under the same labels.
     pub fn changelog(&self) -> ChangelogMeters {
-        let with = |k: &'static str, v: &'static str| {
-            let mut l = self.labels.clone();
-            l.push(Label::new(k, v));
-            l
-        };
+        let with = |k: &'static str, v: &'static str| plus(&self.labels, [Label::new(k, v)]);
         ChangelogMeters {
             parts: metrics::counter!("replayguard_changelog_records_total", with("kind", "part")),
             tombstones: metrics::counter!(
@@ -327,9 +324,13 @@ impl Meters {
 
     /// The consumer-lag gauge of one partition.
     pub fn lag(&self, topic: &str, partition: i32) -> Gauge {
-        let mut l = self.labels.clone();
-        l.push(Label::new("topic", topic.to_owned()));
-        l.push(Label::new("partition", partition.to_string()));
+        let l = plus(
+            &self.labels,
+            [
+                Label::new("topic", topic.to_owned()),
+                Label::new("partition", partition.to_string()),
+            ],
+        );
         metrics::gauge!("replayguard_consumer_lag", l)
     }
 }
