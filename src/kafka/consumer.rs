@@ -163,6 +163,13 @@ impl GuardedConsumerBuilder {
         consumer.subscribe(&topics).map_err(kafka("subscribing"))?;
         let watchdog = core.lease.watch();
         let wake = core.lock().wake.clone();
+        let closer = super::Closer::new(
+            {
+                let (consumer, core) = (consumer.clone(), core.clone());
+                move || drop((consumer, core))
+            },
+            o.timeout,
+        );
         Ok(GuardedConsumer {
             consumer,
             _watchdog: watchdog,
@@ -175,6 +182,7 @@ impl GuardedConsumerBuilder {
             ended: AtomicBool::new(false),
             ready: Mutex::default(),
             wake,
+            closer,
         })
     }
 }
@@ -209,6 +217,10 @@ pub struct GuardedConsumer {
     /// The core's wake-up (see `Shared::wake`), kept so that a wait for
     /// records need not lock the core to listen.
     wake: Arc<tokio::sync::Notify>,
+    /// Holds the last references to `consumer` and `core`, and closes them
+    /// bounded when the consumer is dropped without [`Self::close`]. Last,
+    /// so that the fields above are dropped before it.
+    closer: super::Closer,
 }
 
 impl GuardedConsumer {
@@ -435,10 +447,12 @@ impl GuardedConsumer {
             consumer,
             core,
             _watchdog,
+            closer,
             ..
         } = self;
-        drop(_watchdog);
-        let closed = super::close_bounded(move || drop((consumer, core)), timeout).await;
+        // The closer's references become the last ones.
+        drop((_watchdog, consumer, core));
+        let closed = super::close_bounded(closer.take(), timeout).await;
         checkpointed.and(closed)
     }
 
@@ -448,11 +462,14 @@ impl GuardedConsumer {
     #[cfg(feature = "baselines")]
     pub fn abort(self) {
         self.core.abort();
-        let GuardedConsumer { consumer, core, .. } = self;
-        std::thread::spawn(move || {
-            drop(consumer);
-            drop(core);
-        });
+        let GuardedConsumer {
+            consumer,
+            core,
+            closer,
+            ..
+        } = self;
+        drop((consumer, core));
+        std::thread::spawn(closer.take());
     }
 
     /// Counters so far.

@@ -126,23 +126,20 @@ async fn close_bounded(
     timeout: std::time::Duration,
 ) -> crate::Result<()> {
     let (done, closed) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("replayguard-close".into())
-        .spawn(move || {
-            close();
-            let _ = done.send(());
-        })
-        .map_err(|e| crate::Error::Stopped {
-            reason: format!("cannot start a thread to close the Kafka clients: {e}"),
-            after: None,
-        })?;
+    close_on_thread(close, move || {
+        let _ = done.send(());
+    })
+    .map_err(|e| crate::Error::Stopped {
+        reason: format!("cannot start a thread to close the Kafka clients: {e}"),
+        after: None,
+    })?;
     match tokio::time::timeout(timeout, closed).await {
         Ok(Ok(())) => Ok(()),
         // The thread ended without saying it closed: the close panicked
         // (the panic is printed), so the clients and the state may not
         // have been closed cleanly.
         Ok(Err(_)) => Err(crate::Error::Stopped {
-            reason: "closing the Kafka clients panicked; the state folder may not have been closed cleanly (the next start recovers from its last checkpoint)".into(),
+            reason: CLOSE_PANICKED.into(),
             after: None,
         }),
         Err(_) => Err(crate::Error::Stopped {
@@ -151,6 +148,88 @@ async fn close_bounded(
             ),
             after: None,
         }),
+    }
+}
+
+const CLOSE_PANICKED: &str = "closing the Kafka clients panicked; the state folder may not have been closed cleanly (the next start recovers from its last checkpoint)";
+
+/// Runs `close` on a thread named for it, then `done`; `done` is not run
+/// when `close` panics.
+fn close_on_thread(
+    close: impl FnOnce() + Send + 'static,
+    done: impl FnOnce() + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("replayguard-close".into())
+        .spawn(move || {
+            close();
+            done();
+        })
+        .map(drop)
+}
+
+/// What closing an adapter blocks on: the last references to its Kafka
+/// clients and its core, whose drops leave the group, flush and close the
+/// state folder. `close` hands it to [`close_bounded`]. An adapter dropped
+/// without `close` (on an error's way out, say) closes it on a thread of
+/// its own and waits at most `bound`: a consumer dropped inline waits for
+/// the group's answer with no bound, so a broker that stopped answering
+/// would hang the drop.
+pub(crate) struct Closer {
+    close: Option<Box<dyn FnOnce() + Send + Sync>>,
+    bound: std::time::Duration,
+}
+
+impl Closer {
+    /// `close` drops the last references; dropping the `Closer` runs it,
+    /// waiting at most `bound`.
+    pub(crate) fn new(
+        close: impl FnOnce() + Send + Sync + 'static,
+        bound: std::time::Duration,
+    ) -> Self {
+        Closer {
+            close: Some(Box::new(close)),
+            bound,
+        }
+    }
+
+    /// The close itself, to run bounded or in the background; the `Closer`
+    /// is then spent and its drop does nothing.
+    pub(crate) fn take(mut self) -> impl FnOnce() + Send + 'static {
+        let close = self.close.take();
+        move || {
+            if let Some(close) = close {
+                close();
+            }
+        }
+    }
+}
+
+impl Drop for Closer {
+    fn drop(&mut self) {
+        let Some(close) = self.close.take() else {
+            return;
+        };
+        let bound = self.bound;
+        let (done, closed) = std::sync::mpsc::channel();
+        if let Err(e) = close_on_thread(close, move || {
+            let _ = done.send(());
+        }) {
+            // The close went down with the thread that could not start,
+            // so the clients were closed here, without a bound.
+            tracing::warn!(error = %e, "cannot start a thread to close the Kafka clients; closed them on the dropping thread");
+            return;
+        }
+        match closed.recv_timeout(bound) {
+            Ok(()) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => tracing::warn!(
+                ?bound,
+                "dropped without close: closing the Kafka clients took longer than the options' timeout; they go on closing in the background"
+            ),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                tracing::error!("dropped without close: {CLOSE_PANICKED}");
+            }
+        }
     }
 }
 

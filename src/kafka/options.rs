@@ -124,8 +124,10 @@ impl GuardOptions {
         self
     }
 
-    /// How long broker calls may take, and outputs (of a pipeline) to be
-    /// acked at a checkpoint. Default 30 s; bounds 1 s to 1 h.
+    /// How long broker calls may take, outputs (of a pipeline) to be acked
+    /// at a checkpoint, and a consumer or pipeline dropped without `close`
+    /// to close its clients (past it they go on closing in the
+    /// background). Default 30 s; bounds 1 s to 1 h.
     pub fn timeout(mut self, d: Duration) -> Self {
         self.timeout = d;
         self

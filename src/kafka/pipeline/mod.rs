@@ -275,6 +275,13 @@ impl GuardedPipelineBuilder {
         consumer.subscribe(&inputs).map_err(kafka("subscribing"))?;
         let watchdog = core.lease.watch();
         tracing::info!(inputs = ?self.inputs, %output, mode = ?self.mode, state = %self.state.display(), "pipeline started");
+        let closer = super::Closer::new(
+            {
+                let (consumer, producer, core) = (consumer.clone(), producer.clone(), core.clone());
+                move || drop((consumer, producer, core))
+            },
+            o.timeout,
+        );
         Ok(GuardedPipeline {
             consumer,
             _watchdog: watchdog,
@@ -286,6 +293,7 @@ impl GuardedPipelineBuilder {
             interval: self.options.checkpoint_interval,
             stop_at_end: self.options.stop_at_end,
             timeout: self.options.timeout,
+            closer,
         })
     }
 }
@@ -358,6 +366,11 @@ pub struct GuardedPipeline {
     interval: Duration,
     stop_at_end: bool,
     timeout: Duration,
+    /// Holds the last references to `consumer`, `producer` and `core`, and
+    /// closes them bounded when the pipeline is dropped without
+    /// [`Self::close`]. Last, so that the fields above are dropped before
+    /// it.
+    closer: super::Closer,
 }
 
 impl GuardedPipeline {
@@ -420,10 +433,12 @@ impl GuardedPipeline {
             producer,
             core,
             _watchdog,
+            closer,
             ..
         } = self;
-        drop(_watchdog);
-        super::close_bounded(move || drop((consumer, producer, core)), timeout).await
+        // The closer's references become the last ones.
+        drop((_watchdog, consumer, producer, core));
+        super::close_bounded(closer.take(), timeout).await
     }
 
     /// Stops at once, as `kill -9` would: no flush, no checkpoint, no
@@ -438,13 +453,11 @@ impl GuardedPipeline {
             consumer,
             producer,
             core,
+            closer,
             ..
         } = self;
+        drop((consumer, producer, core));
         // Dropping a consumer can block for seconds; do it off the caller.
-        std::thread::spawn(move || {
-            drop(consumer);
-            drop(producer);
-            drop(core);
-        });
+        std::thread::spawn(closer.take());
     }
 }
