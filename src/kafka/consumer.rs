@@ -236,16 +236,12 @@ impl GuardedConsumer {
         }
     }
 
-    /// The partitions assigned to this consumer now.
-    ///
-    /// # Errors
-    /// [`Error::Kafka`] when the client cannot say.
-    pub fn assignment(&self) -> Result<Vec<(String, i32)>> {
-        let tpl = self
-            .consumer
-            .assignment()
-            .map_err(kafka("reading the assignment"))?;
-        Ok(super::context::partitions(&tpl))
+    /// The partitions assigned to this consumer now, as its rebalance
+    /// callback applied them (read without asking librdkafka, whose own
+    /// answer waits for the group with no bound).
+    #[must_use]
+    pub fn assignment(&self) -> Vec<(String, i32)> {
+        self.core.lock().assigned.iter().cloned().collect()
     }
 
     /// The next fresh record; `None` at the end of the input with

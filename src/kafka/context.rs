@@ -287,30 +287,23 @@ impl Core {
     /// (one round trip each) are read only once every assigned partition
     /// has reported its end.
     pub fn at_end(&self, consumer: &impl Consumer<GuardContext>, eof: i32) -> Result<bool> {
-        let assignment = consumer
-            .assignment()
-            .map_err(kafka("reading the assignment"))?;
-        {
+        let assigned = {
             let mut s = self.lock();
             s.at_eof.insert(eof);
-            if assignment.count() == 0
-                || assignment
-                    .elements()
-                    .iter()
-                    .any(|e| !s.at_eof.contains(&e.partition()))
-            {
+            if s.assigned.is_empty() || s.assigned.iter().any(|(_, p)| !s.at_eof.contains(p)) {
                 return Ok(false);
             }
-        }
-        for e in assignment.elements() {
+            s.assigned.clone()
+        };
+        for (topic, p) in &assigned {
             let (_, hi) = consumer
-                .fetch_watermarks(e.topic(), e.partition(), self.timeout)
+                .fetch_watermarks(topic, *p, self.timeout)
                 .map_err(kafka("reading input watermarks"))?;
             let s = self.lock();
             let next = s
                 .tracks
-                .get(e.topic())
-                .and_then(|m| m.get(&e.partition()))
+                .get(topic)
+                .and_then(|m| m.get(p))
                 .and_then(|t| t.next);
             if next.unwrap_or(0) < hi {
                 return Ok(false);
@@ -326,40 +319,38 @@ impl Core {
     /// offset it is stuck at.
     pub fn consume_failure(&self, consumer: &impl Consumer<GuardContext>, e: KafkaError) -> Error {
         let mut at = Vec::new();
-        if let Ok(assignment) = consumer.assignment() {
-            let positions = consumer.position().ok();
-            let nexts: Vec<Option<i64>> = {
-                let s = self.lock();
-                assignment
-                    .elements()
-                    .iter()
-                    .map(|el| {
-                        s.tracks
-                            .get(el.topic())
-                            .and_then(|m| m.get(&el.partition()))
-                            .and_then(|t| t.next)
-                    })
-                    .collect()
-            };
-            for (el, next) in assignment.elements().iter().zip(nexts) {
-                let (topic, p) = (el.topic(), el.partition());
-                let next = next.or_else(|| {
-                    positions
-                        .as_ref()
-                        .and_then(|tpl| tpl.find_partition(topic, p))
-                        .and_then(|e| e.offset().to_raw())
-                        .filter(|o| *o >= 0)
+        let positions = consumer.position().ok();
+        let assigned: Vec<(Partition, Option<i64>)> = {
+            let s = self.lock();
+            s.assigned
+                .iter()
+                .map(|(topic, p)| {
+                    let next = s
+                        .tracks
+                        .get(topic)
+                        .and_then(|m| m.get(p))
+                        .and_then(|t| t.next);
+                    ((topic.clone(), *p), next)
+                })
+                .collect()
+        };
+        for ((topic, p), next) in assigned {
+            let next = next.or_else(|| {
+                positions
+                    .as_ref()
+                    .and_then(|tpl| tpl.find_partition(&topic, p))
+                    .and_then(|e| e.offset().to_raw())
+                    .filter(|o| *o >= 0)
+            });
+            let high = consumer
+                .fetch_watermarks(&topic, p, Duration::from_secs(2))
+                .ok()
+                .map(|(_, h)| h);
+            if next.zip(high).is_none_or(|(n, h)| n < h) {
+                at.push(match next {
+                    Some(o) => format!("{topic}[{p}] at offset {o}"),
+                    None => format!("{topic}[{p}]"),
                 });
-                let high = consumer
-                    .fetch_watermarks(topic, p, Duration::from_secs(2))
-                    .ok()
-                    .map(|(_, h)| h);
-                if next.zip(high).is_none_or(|(n, h)| n < h) {
-                    at.push(match next {
-                        Some(o) => format!("{topic}[{p}] at offset {o}"),
-                        None => format!("{topic}[{p}]"),
-                    });
-                }
             }
         }
         let location = match at.len() {

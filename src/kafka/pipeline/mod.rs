@@ -406,16 +406,12 @@ impl GuardedPipeline {
         }
     }
 
-    /// The partitions assigned to this instance now.
-    ///
-    /// # Errors
-    /// [`Error::Kafka`] when the client cannot say.
-    pub fn assignment(&self) -> Result<Vec<(String, i32)>> {
-        let tpl = self
-            .consumer
-            .assignment()
-            .map_err(kafka("reading the assignment"))?;
-        Ok(super::context::partitions(&tpl))
+    /// The partitions assigned to this instance now, as its rebalance
+    /// callback applied them (read without asking librdkafka, whose own
+    /// answer waits for the group with no bound).
+    #[must_use]
+    pub fn assignment(&self) -> Vec<(String, i32)> {
+        self.core.lock().assigned.iter().cloned().collect()
     }
 
     /// Closes the Kafka clients and the state, waiting at most `timeout`:
