@@ -166,7 +166,12 @@ impl GuardedConsumerBuilder {
         let closer = super::Closer::new(
             {
                 let (consumer, core) = (consumer.clone(), core.clone());
-                move || drop((consumer, core))
+                // The consumer's close runs its last revoke, which
+                // checkpoints with the guard; then the folder closes.
+                move || {
+                    drop(consumer);
+                    core.close_state();
+                }
             },
             o.timeout,
         );
@@ -198,6 +203,11 @@ impl GuardedConsumerBuilder {
 /// arrives), so a consumer context of the application's cannot be used; and
 /// the consumer is not handed out, since a seek or a commit of the
 /// application's would move positions behind the manifest's back.
+///
+/// Close it with [`GuardedConsumer::close`], which checkpoints first. One
+/// dropped without it (on an error's way out, say) takes no checkpoint and
+/// closes its client on a thread of its own, waiting at most the options'
+/// timeout ([`GuardOptions::timeout`]).
 /// [`GuardedConsumer::assignment`] tells which partitions it holds.
 pub struct GuardedConsumer {
     consumer: Arc<StreamConsumer<GuardContext>>,
@@ -478,7 +488,7 @@ impl GuardedConsumer {
             delivered: s.counters.delivered,
             acked: s.counters.acked,
             checkpoints: s.counters.checkpoints,
-            guard: s.guard.as_ref().map(crate::Guard::stats),
+            guard: s.guard_stats(),
             lag: s.lag(),
         }
     }

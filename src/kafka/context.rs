@@ -282,6 +282,15 @@ impl Core {
         drop(guard);
     }
 
+    /// Closes the state folder: drops the guard (after the consumer's close,
+    /// whose last revoke checkpoints with it). Called by the adapters'
+    /// close, so that a `StatsHandle` still holding the core does not keep
+    /// the folder open; stats read later show the guard's last counters.
+    pub fn close_state(&self) {
+        let guard = self.lock().take_guard();
+        drop(guard);
+    }
+
     /// Notes that partition `eof` reached its end, and tells whether every
     /// assigned partition was read to its high watermark. The watermarks
     /// (one round trip each) are read only once every assigned partition
@@ -400,16 +409,14 @@ impl Core {
     /// # Errors
     /// A failed reconciliation, seek or resume.
     pub fn recover_held(&self, consumer: &impl Consumer<GuardContext>) -> Result<Option<Instant>> {
+        let now = Instant::now();
         let held = {
             let mut s = self.lock();
-            match &s.held {
-                None => return Ok(None),
-                Some(h) if h.until > Instant::now() => return Ok(Some(h.until)),
-                Some(_) => s.held.take(),
+            match s.held.take_if(|h| h.until <= now) {
+                Some(held) => held,
+                // Nothing held, or held until later.
+                None => return Ok(s.held.as_ref().map(|h| h.until)),
             }
-        };
-        let Some(held) = held else {
-            return Ok(None);
         };
         let released = self.release(consumer, held);
         // Resumed, held again after a refused claim, or stopped: taken

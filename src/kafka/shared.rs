@@ -237,6 +237,9 @@ pub(crate) struct Shared {
     /// lag from until the guard has one, from librdkafka's last
     /// statistics; empty without them.
     watermarks: BTreeMap<Partition, (i64, Option<i64>)>,
+    /// The guard's counters as it closed (see `Core::close_state`), for
+    /// stats read after that.
+    closed_guard: Option<crate::guard::Stats>,
     /// Scratch space of [`Shared::admit`]'s batched checks.
     probes: Vec<Probe>,
     verdicts: Vec<Verdict>,
@@ -266,6 +269,7 @@ impl Shared {
             held: None,
             assigned: BTreeSet::new(),
             watermarks: BTreeMap::new(),
+            closed_guard: None,
             probes: Vec::new(),
             wake: Default::default(),
             verdicts: Vec::new(),
@@ -507,6 +511,24 @@ impl Shared {
             .unwrap_or_default();
         self.meters.last_checkpoint.set(now.as_secs_f64());
         Ok((commit, meta))
+    }
+
+    /// The guard's counters: the live guard's, or its last ones once it
+    /// closed.
+    pub fn guard_stats(&self) -> Option<crate::guard::Stats> {
+        self.guard
+            .as_ref()
+            .map(Guard::stats)
+            .or_else(|| self.closed_guard.clone())
+    }
+
+    /// Takes the guard out to be closed, keeping its last counters.
+    pub fn take_guard(&mut self) -> Option<Guard> {
+        let guard = self.guard.take();
+        if let Some(g) = &guard {
+            self.closed_guard = Some(g.stats());
+        }
+        guard
     }
 
     /// Sets the gauges of the state's size from the engine's snapshot (as

@@ -278,7 +278,12 @@ impl GuardedPipelineBuilder {
         let closer = super::Closer::new(
             {
                 let (consumer, producer, core) = (consumer.clone(), producer.clone(), core.clone());
-                move || drop((consumer, producer, core))
+                move || {
+                    drop((consumer, producer));
+                    // Whoever else holds the core (a `StatsHandle`), the
+                    // state folder closes here.
+                    core.close_state();
+                }
             },
             o.timeout,
         );
@@ -321,9 +326,10 @@ fn start_producer(
 }
 
 /// Reads a pipeline's counters from another task; see
-/// [`GuardedPipeline::stats_handle`]. While it lives it keeps the
-/// pipeline's state open (and its folder locked), so drop it with the
-/// pipeline.
+/// [`GuardedPipeline::stats_handle`]. It may outlive the pipeline: the
+/// pipeline's close (or drop) closes the state folder all the same, and
+/// the handle then reads the last counters. It does keep the pipeline's
+/// idle producer until it is dropped.
 #[derive(Clone)]
 pub struct StatsHandle {
     core: Arc<Core>,
@@ -339,7 +345,7 @@ impl StatsHandle {
             duplicates: s.counters.duplicates,
             outputs: s.counters.outputs,
             checkpoints: s.counters.checkpoints,
-            guard: s.guard.as_ref().map(crate::Guard::stats),
+            guard: s.guard_stats(),
             lag: s.lag(),
         }
     }
@@ -354,6 +360,11 @@ impl StatsHandle {
 ///
 /// The consumer and producer are not handed out: a seek, a commit or a
 /// write of one's own would move positions behind the guard's back.
+///
+/// Close it with [`GuardedPipeline::close`]. One dropped without it (on an
+/// error's way out, say) closes its clients on a thread of its own,
+/// waiting at most the options' timeout ([`GuardOptions::timeout`]);
+/// whatever was not checkpointed is recovered by the next run.
 pub struct GuardedPipeline {
     consumer: Arc<StreamConsumer<GuardContext>>,
     /// Watches for stalls while the pipeline lives.

@@ -1,3 +1,5 @@
+//! How the adapters close.
+//!
 //! A guarded consumer or pipeline dropped without `close`, as on an error's
 //! way out, closes its Kafka clients on a thread of its own and waits at
 //! most the options' timeout, on Apache Kafka:
@@ -8,13 +10,21 @@
 //!   timeout and a margin; an inline drop of the consumer had not returned
 //!   after 4.5 minutes. Once the broker is thawed the close goes on to its
 //!   end in the background, and the folders open again.
+//!
+//! A pipeline's [`StatsHandle`] kept after its `close` (by a metrics task,
+//! say) does not keep the state folder: a new pipeline opens it at once,
+//! and the handle still reads the counters.
 
 use std::convert::Infallible;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use replayguard::kafka::{GuardOptions, GuardedConsumer, GuardedPipeline, OutputRecord};
-use replayguard_testkit::{KafkaBroker, TestResult, drop_bounded, produce_integers};
+use replayguard::kafka::{
+    GuardOptions, GuardedConsumer, GuardedPipeline, OutputRecord, StatsHandle,
+};
+use replayguard_testkit::{
+    InProcessBroker, KafkaBroker, TestResult, drop_bounded, produce_integers,
+};
 
 /// The options' timeout, which bounds a drop.
 const TIMEOUT: Duration = Duration::from_secs(3);
@@ -47,6 +57,13 @@ async fn consumer(
 async fn pipeline(broker: &KafkaBroker, state: &Path) -> replayguard::Result<GuardedPipeline> {
     let mut cfg = broker.client_config();
     cfg.set("group.id", "copiers");
+    pipeline_from(cfg, state).await
+}
+
+async fn pipeline_from(
+    cfg: rdkafka::ClientConfig,
+    state: &Path,
+) -> replayguard::Result<GuardedPipeline> {
     GuardedPipeline::builder(cfg, state)
         .input("in")
         .output("out")
@@ -136,5 +153,28 @@ async fn a_drop_without_close_is_bounded_and_closes_the_state() -> TestResult {
     drop_bounded(c, "the consumer reopened after the thaw", LIMIT)?;
     let p = once_free(async || pipeline(&broker, copied.path()).await).await?;
     drop_bounded(p, "the pipeline reopened after the thaw", LIMIT)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stats_handle_kept_after_close_does_not_keep_the_state_folder() -> TestResult {
+    let broker = InProcessBroker::start(&[("in", 2), ("out", 2)])?;
+    broker
+        .produce("in", &(1..=100).collect::<Vec<_>>(), 2)
+        .await?;
+    let state = tempfile::tempdir()?;
+    let mut p = pipeline_from(broker.consumer_config("copiers"), state.path()).await?;
+    p.run(copy).await?;
+    let handle: StatsHandle = p.stats_handle();
+    p.close(LIMIT).await?;
+    let after = handle.stats();
+    assert_eq!(after.records_in, 100);
+    assert!(
+        after.guard.is_some(),
+        "the guard's last counters are gone after close"
+    );
+    let again = pipeline_from(broker.consumer_config("copiers"), state.path()).await?;
+    again.close(LIMIT).await?;
+    assert_eq!(handle.stats().outputs, 100);
     Ok(())
 }
