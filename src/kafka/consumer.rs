@@ -203,12 +203,12 @@ impl GuardedConsumerBuilder {
 /// arrives), so a consumer context of the application's cannot be used; and
 /// the consumer is not handed out, since a seek or a commit of the
 /// application's would move positions behind the manifest's back.
+/// [`GuardedConsumer::assignment`] tells which partitions it holds.
 ///
 /// Close it with [`GuardedConsumer::close`], which checkpoints first. One
 /// dropped without it (on an error's way out, say) takes no checkpoint and
 /// closes its client on a thread of its own, waiting at most the options'
 /// timeout ([`GuardOptions::timeout`]).
-/// [`GuardedConsumer::assignment`] tells which partitions it holds.
 pub struct GuardedConsumer {
     consumer: Arc<StreamConsumer<GuardContext>>,
     /// Watches for stalls while the consumer lives.
