@@ -15,6 +15,8 @@
 //! say) does not keep the state folder: a new pipeline opens it at once,
 //! and the handle still reads the counters.
 
+mod common;
+
 use std::convert::Infallible;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -76,16 +78,6 @@ async fn copy(m: rdkafka::message::OwnedMessage) -> Result<Vec<OutputRecord>, In
     Ok(vec![OutputRecord::copy_of(&m)])
 }
 
-/// Reads `c` to the end of its input, acking each record; returns how many.
-async fn drain(c: &GuardedConsumer) -> TestResult<u64> {
-    let mut n = 0;
-    while let Some(r) = c.recv().await? {
-        c.ack(&r)?;
-        n += 1;
-    }
-    Ok(n)
-}
-
 /// Drops `value` (off the test's thread, failing past [`LIMIT`]) and
 /// returns how long that took.
 fn timed_drop<T: Send + 'static>(value: T, what: &str) -> TestResult<Duration> {
@@ -121,7 +113,7 @@ async fn a_drop_without_close_is_bounded_and_closes_the_state() -> TestResult {
 
     // The broker answers: the drop has closed the folder when it returns.
     let c = consumer(&broker, "live", live.path()).await?;
-    assert_eq!(drain(&c).await?, 100);
+    assert_eq!(common::drain(&c).await?, 100);
     let took = timed_drop(c, "a consumer, the broker answering")?;
     println!("dropped a consumer in {took:?} while the broker answered");
     let again = consumer(&broker, "live", live.path()).await?;
@@ -130,7 +122,7 @@ async fn a_drop_without_close_is_bounded_and_closes_the_state() -> TestResult {
     // The broker is frozen: each drop returns within the timeout and a
     // margin.
     let c = consumer(&broker, "frozen", consumed.path()).await?;
-    assert_eq!(drain(&c).await?, 100);
+    assert_eq!(common::drain(&c).await?, 100);
     let mut p = pipeline(&broker, copied.path()).await?;
     p.run(copy).await?;
     broker.pause()?;

@@ -3,6 +3,8 @@
 //! counters and gauges each shows under its labels are its own, read from
 //! the Prometheus exporter the command line uses.
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 
@@ -23,16 +25,6 @@ async fn consumer(broker: &Broker, topic: &str, state: &Path) -> TestResult<Guar
         .build()
         .await?;
     Ok(c)
-}
-
-/// Reads `c` to the end of its input, acking each record; returns how many.
-async fn drain(c: &GuardedConsumer) -> TestResult<u64> {
-    let mut n = 0;
-    while let Some(r) = c.recv().await? {
-        c.ack(&r)?;
-        n += 1;
-    }
-    Ok(n)
 }
 
 /// The value of the series `name{labels}` (labels as the exporter renders
@@ -65,8 +57,8 @@ async fn two_consumers_in_one_process_keep_their_series_apart() -> TestResult {
     let (dir_a, dir_b) = (tempfile::tempdir()?, tempfile::tempdir()?);
     let a = consumer(&broker, "a", dir_a.path()).await?;
     let b = consumer(&broker, "b", dir_b.path()).await?;
-    assert_eq!(drain(&a).await?, 30);
-    assert_eq!(drain(&b).await?, 50);
+    assert_eq!(common::drain(&a).await?, 30);
+    assert_eq!(common::drain(&b).await?, 50);
     a.checkpoint().await?;
     b.checkpoint().await?;
 
