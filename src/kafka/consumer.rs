@@ -163,18 +163,7 @@ impl GuardedConsumerBuilder {
         consumer.subscribe(&topics).map_err(kafka("subscribing"))?;
         let watchdog = core.lease.watch();
         let wake = core.lock().wake.clone();
-        let closer = super::Closer::new(
-            {
-                let (consumer, core) = (consumer.clone(), core.clone());
-                // The consumer's close runs its last revoke, which
-                // checkpoints with the guard; then the folder closes.
-                move || {
-                    drop(consumer);
-                    core.close_state();
-                }
-            },
-            o.timeout,
-        );
+        let closer = super::Closer::new(consumer.clone(), core.clone(), o.timeout);
         Ok(GuardedConsumer {
             consumer,
             _watchdog: watchdog,
@@ -251,7 +240,7 @@ impl GuardedConsumer {
     /// answer waits for the group with no bound).
     #[must_use]
     pub fn assignment(&self) -> Vec<(String, i32)> {
-        self.core.lock().assigned.iter().cloned().collect()
+        self.core.assigned()
     }
 
     /// The next fresh record; `None` at the end of the input with

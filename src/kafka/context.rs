@@ -291,6 +291,12 @@ impl Core {
         drop(guard);
     }
 
+    /// The partitions assigned to this instance, as its rebalance callback
+    /// applied them.
+    pub fn assigned(&self) -> Vec<Partition> {
+        self.lock().assigned.iter().cloned().collect()
+    }
+
     /// Notes that partition `eof` reached its end, and tells whether every
     /// assigned partition was read to its high watermark. The watermarks
     /// (one round trip each) are read only once every assigned partition

@@ -181,14 +181,21 @@ pub(crate) struct Closer {
 }
 
 impl Closer {
-    /// `close` drops the last references; dropping the `Closer` runs it,
-    /// waiting at most `bound`.
+    /// Closes `clients` (the adapter's consumer, and producer if any), then
+    /// the state folder: the consumer's close runs its last revoke, which
+    /// checkpoints with the guard, and whoever else holds `core` (a
+    /// `StatsHandle`), the folder closes here. Dropping the `Closer` runs
+    /// it, waiting at most `bound`.
     pub(crate) fn new(
-        close: impl FnOnce() + Send + Sync + 'static,
+        clients: impl Send + Sync + 'static,
+        core: std::sync::Arc<context::Core>,
         bound: std::time::Duration,
     ) -> Self {
         Closer {
-            close: Some(Box::new(close)),
+            close: Some(Box::new(move || {
+                drop(clients);
+                core.close_state();
+            })),
             bound,
         }
     }

@@ -276,15 +276,8 @@ impl GuardedPipelineBuilder {
         let watchdog = core.lease.watch();
         tracing::info!(inputs = ?self.inputs, %output, mode = ?self.mode, state = %self.state.display(), "pipeline started");
         let closer = super::Closer::new(
-            {
-                let (consumer, producer, core) = (consumer.clone(), producer.clone(), core.clone());
-                move || {
-                    drop((consumer, producer));
-                    // Whoever else holds the core (a `StatsHandle`), the
-                    // state folder closes here.
-                    core.close_state();
-                }
-            },
+            (consumer.clone(), producer.clone()),
+            core.clone(),
             o.timeout,
         );
         Ok(GuardedPipeline {
@@ -422,7 +415,7 @@ impl GuardedPipeline {
     /// answer waits for the group with no bound).
     #[must_use]
     pub fn assignment(&self) -> Vec<(String, i32)> {
-        self.core.lock().assigned.iter().cloned().collect()
+        self.core.assigned()
     }
 
     /// Closes the Kafka clients and the state, waiting at most `timeout`:
