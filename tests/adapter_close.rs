@@ -12,8 +12,9 @@
 //!   end in the background, and the folders open again.
 //!
 //! A pipeline's [`StatsHandle`] kept after its `close` (by a metrics task,
-//! say) does not keep the state folder: a new pipeline opens it at once,
-//! and the handle still reads the counters.
+//! say) keeps neither the state folder nor the pipeline's Kafka clients: a
+//! new pipeline opens the folder at once, librdkafka's threads of the
+//! closed pipeline end, and the handle still reads the counters.
 
 mod common;
 
@@ -27,6 +28,23 @@ use replayguard::kafka::{
 use replayguard_testkit::{
     InProcessBroker, KafkaBroker, TestResult, drop_bounded, produce_integers,
 };
+
+/// The tests count librdkafka's threads in this process, so they run one
+/// at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// librdkafka's threads in this process (each client's own, and the
+/// in-process broker's), by their names.
+fn librdkafka_threads() -> TestResult<usize> {
+    let mut n = 0;
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let comm = std::fs::read_to_string(task?.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("rdk:") {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
 
 /// The options' timeout, which bounds a drop.
 const TIMEOUT: Duration = Duration::from_secs(3);
@@ -103,6 +121,7 @@ async fn once_free<T>(open: impl AsyncFn() -> replayguard::Result<T>) -> TestRes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drop_without_close_is_bounded_and_closes_the_state() -> TestResult {
+    let _serial = SERIAL.lock().await;
     let broker = KafkaBroker::start(&[("in", 2), ("out", 2)])?;
     produce_integers(&broker.bootstrap(), "in", 1..=100)?;
     let (live, consumed, copied) = (
@@ -149,16 +168,29 @@ async fn a_drop_without_close_is_bounded_and_closes_the_state() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stats_handle_kept_after_close_does_not_keep_the_state_folder() -> TestResult {
+async fn a_stats_handle_kept_after_close_keeps_neither_the_folder_nor_the_clients() -> TestResult {
     let broker = InProcessBroker::start(&[("in", 2), ("out", 2)])?;
     broker
         .produce("in", &(1..=100).collect::<Vec<_>>(), 2)
         .await?;
+    let _serial = SERIAL.lock().await;
+    let before = librdkafka_threads()?;
     let state = tempfile::tempdir()?;
     let mut p = pipeline_from(broker.consumer_config("copiers"), state.path()).await?;
     p.run(copy).await?;
     let handle: StatsHandle = p.stats_handle();
+    assert!(librdkafka_threads()? > before);
     p.close(LIMIT).await?;
+    // A client's threads end with its last reference; give them a moment.
+    let since = Instant::now();
+    while librdkafka_threads()? > before && since.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left = librdkafka_threads()?;
+    assert_eq!(
+        left, before,
+        "{left} librdkafka threads after close with a stats handle kept, {before} before the pipeline"
+    );
     let after = handle.stats();
     assert_eq!(after.records_in, 100);
     assert!(

@@ -190,11 +190,7 @@ pub(crate) fn partitions(tpl: &TopicPartitionList) -> Vec<Partition> {
 
 impl Core {
     pub fn lock(&self) -> MutexGuard<'_, Shared> {
-        // A panic while holding the lock leaves counters, not the store,
-        // half-updated; the store has its own poisoning.
-        self.shared
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        super::shared::lock(&self.shared)
     }
 
     /// The failure that stopped the guard, if one did.
@@ -284,8 +280,8 @@ impl Core {
 
     /// Closes the state folder: drops the guard (after the consumer's close,
     /// whose last revoke checkpoints with it). Called by the adapters'
-    /// close, so that a `StatsHandle` still holding the core does not keep
-    /// the folder open; stats read later show the guard's last counters.
+    /// close, so that whatever still holds the core does not keep the
+    /// folder open; stats read later show the guard's last counters.
     pub fn close_state(&self) {
         let guard = self.lock().take_guard();
         drop(guard);

@@ -183,8 +183,8 @@ pub(crate) struct Closer {
 impl Closer {
     /// Closes `clients` (the adapter's consumer, and producer if any), then
     /// the state folder: the consumer's close runs its last revoke, which
-    /// checkpoints with the guard, and whoever else holds `core` (a
-    /// `StatsHandle`), the folder closes here. Dropping the `Closer` runs
+    /// checkpoints with the guard, and whoever else still holds `core`,
+    /// the folder closes here. Dropping the `Closer` runs
     /// it, waiting at most `bound`.
     pub(crate) fn new(
         clients: impl Send + Sync + 'static,

@@ -252,6 +252,14 @@ pub(crate) struct Shared {
     pub meters: std::sync::Arc<super::telemetry::Meters>,
 }
 
+/// Locks the shared state. A panic while it was held leaves counters, not
+/// the store, half-updated; the store has its own poisoning.
+pub(crate) fn lock(shared: &std::sync::Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Shared {
     /// Shared state around a guard (none in the baselines), emitting to
     /// `meters`.

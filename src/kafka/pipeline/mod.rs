@@ -319,20 +319,20 @@ fn start_producer(
 }
 
 /// Reads a pipeline's counters from another task; see
-/// [`GuardedPipeline::stats_handle`]. It may outlive the pipeline: the
-/// pipeline's close (or drop) closes the state folder all the same, and
-/// the handle then reads the last counters. It does keep the pipeline's
-/// idle producer until it is dropped.
+/// [`GuardedPipeline::stats_handle`]. It may outlive the pipeline: it holds
+/// only the counters, so the pipeline's close (or drop) closes the state
+/// folder and the Kafka clients all the same, and the handle then reads
+/// the last counters.
 #[derive(Clone)]
 pub struct StatsHandle {
-    core: Arc<Core>,
+    shared: Arc<std::sync::Mutex<super::shared::Shared>>,
 }
 
 impl StatsHandle {
     /// Counters so far.
     #[must_use]
     pub fn stats(&self) -> PipelineStats {
-        let s = self.core.lock();
+        let s = super::shared::lock(&self.shared);
         PipelineStats {
             records_in: s.counters.records_in,
             duplicates: s.counters.duplicates,
@@ -406,7 +406,7 @@ impl GuardedPipeline {
     #[must_use]
     pub fn stats_handle(&self) -> StatsHandle {
         StatsHandle {
-            core: self.core.clone(),
+            shared: self.core.shared.clone(),
         }
     }
 
