@@ -972,7 +972,8 @@ impl Guard {
         if let Err(e) = &r
             && e.is_poisoning()
         {
-            tracing::error!(error = %e, error_kind = e.kind(), epoch = self.epoch, "replayguard store write failed; guard poisoned");
+            // A warning: the call returns the error, and its caller reports it.
+            tracing::warn!(error = %e, error_kind = e.kind(), epoch = self.epoch, "replayguard store write failed; guard poisoned");
             self.poisoned = Some(e.to_string());
         }
         r

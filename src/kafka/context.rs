@@ -682,7 +682,8 @@ impl Core {
             .flush(self.timeout)
             .and_then(|()| self.checkpoint(consumer, Some(&leaving), CommitMode::Sync));
         if let Err(e) = done {
-            tracing::error!(error = %e, error_kind = e.kind(), "checkpoint on revoke failed");
+            // `fail` logs the stop, once.
+            tracing::debug!(error = %e, error_kind = e.kind(), "checkpoint on revoke failed");
             self.lock().fail(e);
             return;
         }
@@ -1086,7 +1087,7 @@ impl ConsumerContext for GuardContext {
                 if let Err(e) = self.core.on_assign(consumer, tpl) {
                     // Assign nothing: the failure stops the guard, and no
                     // record is delivered unrecovered.
-                    tracing::error!(error = %e, error_kind = e.kind(), "recovery on assign failed");
+                    tracing::debug!(error = %e, error_kind = e.kind(), "recovery on assign failed");
                     self.core.lock().fail(e);
                     return;
                 }

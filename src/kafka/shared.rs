@@ -627,10 +627,12 @@ impl Shared {
         }
     }
 
-    /// Stops the guard with `e`, unless it stopped already.
+    /// Stops the guard with `e`, unless it stopped already. Logged once, as
+    /// a warning: the adapter's next call returns the error, and its caller
+    /// reports it (the command line's one error line).
     pub fn fail(&mut self, e: Error) {
         if self.failure.reason.is_none() {
-            tracing::error!(error = %e, error_kind = e.kind(), "replayguard stopped");
+            tracing::warn!(error = %e, error_kind = e.kind(), "replayguard stopped");
             self.failure.reason = Some(e.to_string());
             self.failure.kind = Some(e.kind());
             self.failure.first = Some(e);
