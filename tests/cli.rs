@@ -1255,3 +1255,121 @@ fn every_subcommand_explains_itself_with_an_example() -> TestResult {
     }
     Ok(())
 }
+
+/// A tmpfs of a given size mounted over a temporary folder, unmounted on
+/// drop: a disk that fills up.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// `None` where this process may not mount (it needs root, or
+    /// `CAP_SYS_ADMIN`), with the reason.
+    fn mount(bytes: u64) -> TestResult<Result<Self, String>> {
+        let dir = tempfile::tempdir()?;
+        match tmpfs(dir.path(), bytes, 0) {
+            Ok(()) => Ok(Ok(SmallDisk { dir })),
+            Err(e) => Ok(Err(format!("mounting a tmpfs failed ({e})"))),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Gives the disk `bytes` in all, keeping what it holds.
+    fn resize(&self, bytes: u64) -> TestResult {
+        Ok(tmpfs(self.path(), bytes, libc::MS_REMOUNT)?)
+    }
+}
+
+fn tmpfs(at: &Path, bytes: u64, flags: libc::c_ulong) -> std::io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |s: &[u8]| CString::new(s).map_err(std::io::Error::other);
+    let (source, target) = (c(b"tmpfs")?, c(at.as_os_str().as_bytes())?);
+    let data = c(format!("size={bytes}").as_bytes())?;
+    // SAFETY: every pointer is a NUL-terminated string that outlives the
+    // call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            source.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        use std::os::unix::ffi::OsStrExt;
+        if let Ok(target) = std::ffi::CString::new(self.path().as_os_str().as_bytes()) {
+            // SAFETY: a NUL-terminated path that outlives the call.
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// On Apache Kafka, with the state folder on a disk that fills up mid-run:
+/// `pipe` stops with one error line naming the full disk (status 1), after
+/// writing part of the output. Once the disk has room again, the same
+/// command writes the rest, and an independent reader finds each input
+/// exactly once: what the failed run wrote but had not checkpointed is
+/// recognised, and nothing it had read is lost.
+#[test]
+fn pipe_stops_on_a_full_disk_and_its_restart_writes_each_input_once() -> TestResult {
+    const N: u64 = 60_000;
+    let disk = match SmallDisk::mount(400 << 10)? {
+        Ok(disk) => disk,
+        Err(why) => {
+            eprintln!(
+                "SKIPPED pipe_stops_on_a_full_disk_and_its_restart_writes_each_input_once: \
+                 {why}; it needs root or CAP_SYS_ADMIN"
+            );
+            return Ok(());
+        }
+    };
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 4), ("out", 4)])?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=N)?;
+    let state = disk.path().join("state");
+    let run = || {
+        kafka_pipe(
+            &bootstrap,
+            "full",
+            &state,
+            &["--stop-at-end", "--checkpoint-interval", "200ms"],
+        )
+    };
+    let mut full = run_bounded(&mut run(), RUN_LIMIT)?;
+    // The store's own log reports the failed write too, at its level.
+    let ours: Vec<&str> = std::str::from_utf8(&full.stderr)?
+        .lines()
+        .filter(|l| !l.contains(" fjall::"))
+        .collect();
+    full.stderr = ours.join("\n").into_bytes();
+    let line = one_error_line(&full, 1)?;
+    expect_contains(&line, "No space left on device")?;
+    expect_contains(&line, "reopen it after fixing the disk")?;
+    let before = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    eprintln!("{} outputs before the disk filled", before.len());
+    if before.is_empty() || before.len() as u64 >= N {
+        return Err(format!(
+            "the disk filled after {} of {N} outputs: not mid-run",
+            before.len()
+        )
+        .into());
+    }
+    disk.resize(64 << 20)?;
+    let again = run_bounded(&mut run(), RUN_LIMIT)?;
+    success(&again, "the run with room on the disk again")?;
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::KafkaPython)?)?;
+    check_each_once(&values, 1..=N)
+}
