@@ -420,7 +420,7 @@ impl Changelog {
                     ),
                 )
             })?;
-            let mut shared = s.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut shared = super::shared::lock(s);
             let Some(guard) = shared.guard.as_mut() else {
                 return Ok(restored);
             };
