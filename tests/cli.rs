@@ -1260,17 +1260,21 @@ fn every_subcommand_explains_itself_with_an_example() -> TestResult {
 /// drop: a disk that fills up.
 struct SmallDisk {
     dir: tempfile::TempDir,
+    /// The mount point, as the system calls take it.
+    target: std::ffi::CString,
 }
 
 impl SmallDisk {
-    /// `None` where this process may not mount (it needs root, or
-    /// `CAP_SYS_ADMIN`), with the reason.
+    /// `Err` with the reason where this process may not mount (it needs
+    /// root, or `CAP_SYS_ADMIN`).
     fn mount(bytes: u64) -> TestResult<Result<Self, String>> {
+        use std::os::unix::ffi::OsStrExt;
         let dir = tempfile::tempdir()?;
-        match tmpfs(dir.path(), bytes, 0) {
-            Ok(()) => Ok(Ok(SmallDisk { dir })),
-            Err(e) => Ok(Err(format!("mounting a tmpfs failed ({e})"))),
-        }
+        let target = std::ffi::CString::new(dir.path().as_os_str().as_bytes())?;
+        Ok(match tmpfs(&target, bytes, 0) {
+            Ok(()) => Ok(SmallDisk { dir, target }),
+            Err(e) => Err(format!("mounting a tmpfs failed ({e})")),
+        })
     }
 
     fn path(&self) -> &Path {
@@ -1279,23 +1283,20 @@ impl SmallDisk {
 
     /// Gives the disk `bytes` in all, keeping what it holds.
     fn resize(&self, bytes: u64) -> TestResult {
-        Ok(tmpfs(self.path(), bytes, libc::MS_REMOUNT)?)
+        Ok(tmpfs(&self.target, bytes, libc::MS_REMOUNT)?)
     }
 }
 
-fn tmpfs(at: &Path, bytes: u64, flags: libc::c_ulong) -> std::io::Result<()> {
-    use std::ffi::CString;
-    use std::os::unix::ffi::OsStrExt;
-    let c = |s: &[u8]| CString::new(s).map_err(std::io::Error::other);
-    let (source, target) = (c(b"tmpfs")?, c(at.as_os_str().as_bytes())?);
-    let data = c(format!("size={bytes}").as_bytes())?;
+fn tmpfs(target: &std::ffi::CStr, bytes: u64, flags: libc::c_ulong) -> std::io::Result<()> {
+    let data = std::ffi::CString::new(format!("size={bytes}")).map_err(std::io::Error::other)?;
+    let tmpfs = c"tmpfs";
     // SAFETY: every pointer is a NUL-terminated string that outlives the
     // call.
     let rc = unsafe {
         libc::mount(
-            source.as_ptr(),
+            tmpfs.as_ptr(),
             target.as_ptr(),
-            source.as_ptr(),
+            tmpfs.as_ptr(),
             flags,
             data.as_ptr().cast(),
         )
@@ -1309,11 +1310,8 @@ fn tmpfs(at: &Path, bytes: u64, flags: libc::c_ulong) -> std::io::Result<()> {
 
 impl Drop for SmallDisk {
     fn drop(&mut self) {
-        use std::os::unix::ffi::OsStrExt;
-        if let Ok(target) = std::ffi::CString::new(self.path().as_os_str().as_bytes()) {
-            // SAFETY: a NUL-terminated path that outlives the call.
-            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        }
+        // SAFETY: a NUL-terminated path that outlives the call.
+        unsafe { libc::umount2(self.target.as_ptr(), libc::MNT_DETACH) };
     }
 }
 

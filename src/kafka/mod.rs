@@ -182,10 +182,10 @@ pub(crate) struct Closer {
 
 impl Closer {
     /// Closes `clients` (the adapter's consumer, and producer if any), then
-    /// the state folder: the consumer's close runs its last revoke, which
-    /// checkpoints with the guard, and whoever else still holds `core`,
-    /// the folder closes here. Dropping the `Closer` runs
-    /// it, waiting at most `bound`.
+    /// the state folder, whoever else still holds `core`: clients first,
+    /// because the consumer's close runs its last revoke, which checkpoints
+    /// with the guard. Dropping the `Closer` runs it, waiting at most
+    /// `bound`.
     pub(crate) fn new(
         clients: impl Send + Sync + 'static,
         core: std::sync::Arc<context::Core>,
