@@ -9,11 +9,20 @@ with the producer compression named (none, gzip, snappy, lz4, zstd), in
 batches, and waits for every ack. --property KEY=VALUE (repeatable) passes a
 client property through (librdkafka names for confluent-kafka).
 
+--transactions N (confluent-kafka only) writes them in Kafka transactions
+of N records, committed; with --aborted, each committed transaction is
+followed by one of as many records that is aborted, whose values are
+1,000,000,000 more than those of the committed one before it, so a reader
+that shows them is caught. A partition's log then ends with a transaction
+marker, not a record.
+
 Exit codes: 0 every record acked, 1 a Kafka error, 2 usage error.
 """
 
 import argparse
 import sys
+
+ABORTED_OFFSET = 1_000_000_000
 
 
 def write_confluent(args):
@@ -25,6 +34,8 @@ def write_confluent(args):
         "enable.idempotence": True,
         "linger.ms": 20,
     }
+    if args.transactions:
+        conf["transactional.id"] = f"kafka_write-{args.topic}-{args.first}"
     conf.update(dict(p.split("=", 1) for p in args.property))
     producer = Producer(conf)
     failures = []
@@ -32,6 +43,27 @@ def write_confluent(args):
     def acked(err, _msg):
         if err is not None:
             failures.append(str(err))
+
+    if args.transactions:
+        producer.init_transactions(60)
+        end = args.first + args.count
+        for start in range(args.first, end, args.transactions):
+            batch = range(start, min(start + args.transactions, end))
+            producer.begin_transaction()
+            for n in batch:
+                text = str(n).encode()
+                producer.produce(args.topic, key=text, value=text, on_delivery=acked)
+            producer.commit_transaction(60)
+            if args.aborted:
+                producer.begin_transaction()
+                for n in batch:
+                    text = str(n + ABORTED_OFFSET).encode()
+                    producer.produce(args.topic, key=text, value=text)
+                producer.flush(60)
+                producer.abort_transaction(60)
+        if failures:
+            raise SystemExit(f"kafka_write.py: {len(failures)} failed: {failures[:3]}")
+        return
 
     for n in range(args.first, args.first + args.count):
         text = str(n).encode()
@@ -76,7 +108,13 @@ def main():
     parser.add_argument("--first", type=int, default=1)
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--property", action="append", default=[])
+    parser.add_argument("--transactions", type=int, default=0, metavar="N")
+    parser.add_argument("--aborted", action="store_true")
     args = parser.parse_args()
+    if args.transactions < 0 or (args.transactions and args.client != "confluent"):
+        parser.error("--transactions takes a positive size, with --client confluent")
+    if args.aborted and not args.transactions:
+        parser.error("--aborted needs --transactions")
     try:
         if args.client == "confluent":
             write_confluent(args)

@@ -249,6 +249,12 @@ pub struct WriteOptions {
     pub compression: String,
     /// Client properties, `(key, value)`.
     pub properties: Vec<(String, String)>,
+    /// With confluent-kafka: write in Kafka transactions of this many
+    /// records, committed (0, the default: no transactions).
+    pub transactions: u64,
+    /// With `transactions`: follow each committed transaction with an
+    /// aborted one of as many records, their values 1,000,000,000 more.
+    pub aborted: bool,
 }
 
 /// Writes the integers `first..first + count` into `topic` with a client
@@ -281,6 +287,14 @@ pub fn write_with(
         .arg(count.to_string());
     for (k, v) in &options.properties {
         command.arg("--property").arg(format!("{k}={v}"));
+    }
+    if options.transactions > 0 {
+        command
+            .arg("--transactions")
+            .arg(options.transactions.to_string());
+    }
+    if options.aborted {
+        command.arg("--aborted");
     }
     let out = crate::run_bounded(&mut command, Duration::from_secs(120))?;
     if !out.status.success() {
