@@ -4,8 +4,13 @@
 //! copied by `replayguard pipe` and printed by `replayguard consume`, each
 //! record exactly once. On Apache Kafka with both writers; on the mock
 //! broker process with confluent-kafka (kafka-python cannot bootstrap
-//! against it).
+//! against it). And input written in Kafka transactions, committed and
+//! aborted, on Apache Kafka: each committed record once, no aborted one,
+//! and `--stop-at-end` ends although each partition's log ends with a
+//! transaction marker rather than a record.
 
+use std::ops::RangeInclusive;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -41,73 +46,75 @@ fn copy_and_consume_every_codec(broker: &dyn Broker, client: PyClient) -> TestRe
                 ..WriteOptions::default()
             },
         )?;
-        let out = run_bounded(
-            &mut replayguard(&[
-                "pipe",
-                "--brokers",
-                &bootstrap,
-                "--group",
-                &format!("copy-{input}"),
-                "--input",
-                &input,
-                "--output",
-                &output,
-                "--stop-at-end",
-                "--state",
-                &state
-                    .path()
-                    .join(format!("pipe-{input}"))
-                    .display()
-                    .to_string(),
-            ]),
-            Duration::from_secs(120),
-        )?;
-        if !out.status.success() {
-            return Err(format!(
-                "pipe of {codec} written by {client:?} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-            .into());
-        }
-        let copied = integers(&read_topic(&bootstrap, &output, PyClient::Confluent)?)?;
-        check_each_once(&copied, 1..=RECORDS)
-            .map_err(|e| format!("pipe, {codec} written by {client:?}: {e}"))?;
-        let out = run_bounded(
-            &mut replayguard(&[
-                "consume",
-                "--brokers",
-                &bootstrap,
-                "--group",
-                &format!("read-{input}"),
-                "--topic",
-                &input,
-                "--stop-at-end",
-                "--state",
-                &state
-                    .path()
-                    .join(format!("consume-{input}"))
-                    .display()
-                    .to_string(),
-            ]),
-            Duration::from_secs(120),
-        )?;
-        if !out.status.success() {
-            return Err(format!(
-                "consume of {codec} written by {client:?} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-            .into());
-        }
-        let printed: Vec<u64> = String::from_utf8(out.stdout)?
-            .lines()
-            .map(str::parse)
-            .collect::<Result<_, _>>()?;
-        check_each_once(&printed, 1..=RECORDS)
-            .map_err(|e| format!("consume, {codec} written by {client:?}: {e}"))?;
+        copy_and_consume(&bootstrap, &input, &output, state.path(), 1..=RECORDS)
+            .map_err(|e| format!("{codec} written by {client:?}: {e}"))?;
     }
     Ok(())
+}
+
+/// Copies `input` into `output` with `pipe --stop-at-end` and prints it
+/// with `consume --stop-at-end`, each bounded in time, and checks that
+/// both hold each of `expected` once and nothing else.
+fn copy_and_consume(
+    bootstrap: &str,
+    input: &str,
+    output: &str,
+    state: &Path,
+    expected: RangeInclusive<u64>,
+) -> TestResult {
+    let folder = |command: &str| {
+        state
+            .join(format!("{command}-{input}"))
+            .display()
+            .to_string()
+    };
+    run_to_end(&[
+        "pipe",
+        "--brokers",
+        bootstrap,
+        "--group",
+        &format!("copy-{input}"),
+        "--input",
+        input,
+        "--output",
+        output,
+        "--state",
+        &folder("pipe"),
+    ])?;
+    let copied = integers(&read_topic(bootstrap, output, PyClient::Confluent)?)?;
+    check_each_once(&copied, expected.clone()).map_err(|e| format!("pipe: {e}"))?;
+    let printed = run_to_end(&[
+        "consume",
+        "--brokers",
+        bootstrap,
+        "--group",
+        &format!("read-{input}"),
+        "--topic",
+        input,
+        "--state",
+        &folder("consume"),
+    ])?;
+    let printed: Vec<u64> = printed.lines().map(str::parse).collect::<Result<_, _>>()?;
+    check_each_once(&printed, expected).map_err(|e| format!("consume: {e}"))?;
+    Ok(())
+}
+
+/// Runs `replayguard ARGS --stop-at-end`, within two minutes, and returns
+/// what it printed; an error if it failed or did not end.
+fn run_to_end(args: &[&str]) -> TestResult<String> {
+    let mut command = replayguard(args);
+    command.arg("--stop-at-end");
+    let out = run_bounded(&mut command, Duration::from_secs(120))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} failed ({}): {}",
+            args[0],
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    Ok(String::from_utf8(out.stdout)?)
 }
 
 fn topics() -> Vec<(String, i32)> {
@@ -129,6 +136,45 @@ fn on_kafka_every_codec_from_two_independent_writers_is_copied_and_consumed_exac
     let broker = KafkaBroker::start(&named)?;
     for client in PyClient::BOTH {
         copy_and_consume_every_codec(&broker, client)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn on_kafka_input_written_in_transactions_is_copied_and_consumed_exactly_once_to_its_end()
+-> TestResult {
+    const TRANSACTIONS: u64 = 600;
+    let broker = KafkaBroker::start(&[
+        ("committed", 2),
+        ("committed-copy", 2),
+        ("aborted", 2),
+        ("aborted-copy", 2),
+    ])?;
+    let bootstrap = broker.servers();
+    let state = tempfile::tempdir()?;
+    // Committed transactions only, so each log ends with a commit marker;
+    // then a committed and an aborted transaction in turn, so it ends with
+    // an abort marker after records a reader must not see.
+    for (topic, aborted) in [("committed", false), ("aborted", true)] {
+        write_with(
+            &bootstrap,
+            topic,
+            1,
+            TRANSACTIONS,
+            &WriteOptions {
+                transactions: 50,
+                aborted,
+                ..WriteOptions::default()
+            },
+        )?;
+        copy_and_consume(
+            &bootstrap,
+            topic,
+            &format!("{topic}-copy"),
+            state.path(),
+            1..=TRANSACTIONS,
+        )
+        .map_err(|e| format!("{topic} transactions: {e}"))?;
     }
     Ok(())
 }

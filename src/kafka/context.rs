@@ -297,6 +297,14 @@ impl Core {
     /// assigned partition was read to its high watermark. The watermarks
     /// (one round trip each) are read only once every assigned partition
     /// has reported its end.
+    ///
+    /// A partition is read to where the guard's last record ends or, if
+    /// further, to librdkafka's position in it: the log of a topic written
+    /// in transactions ends with a transaction marker (and may hold
+    /// aborted records before it), which the consumer steps over without
+    /// handing on a record, so no record's offset reaches the watermark.
+    /// The position counts only records already handed on, all of which
+    /// the caller admitted before this call.
     pub fn at_end(&self, consumer: &impl Consumer<GuardContext>, eof: i32) -> Result<bool> {
         let assigned = {
             let mut s = self.lock();
@@ -306,17 +314,21 @@ impl Core {
             }
             s.assigned.clone()
         };
+        let positions = consumer
+            .position()
+            .map_err(kafka("reading input positions"))?;
         for (topic, p) in &assigned {
             let (_, hi) = consumer
                 .fetch_watermarks(topic, *p, self.timeout)
                 .map_err(kafka("reading input watermarks"))?;
+            let position = position_in(&positions, topic, *p);
             let s = self.lock();
             let next = s
                 .tracks
                 .get(topic)
                 .and_then(|m| m.get(p))
                 .and_then(|t| t.next);
-            if next.unwrap_or(0) < hi {
+            if next.max(position).unwrap_or(0) < hi {
                 return Ok(false);
             }
         }
@@ -346,13 +358,11 @@ impl Core {
                 .collect()
         };
         for ((topic, p), next) in assigned {
-            let next = next.or_else(|| {
+            let next = next.max(
                 positions
                     .as_ref()
-                    .and_then(|tpl| tpl.find_partition(&topic, p))
-                    .and_then(|e| e.offset().to_raw())
-                    .filter(|o| *o >= 0)
-            });
+                    .and_then(|tpl| position_in(tpl, &topic, p)),
+            );
             let high = consumer
                 .fetch_watermarks(&topic, p, Duration::from_secs(2))
                 .ok()
@@ -1068,6 +1078,14 @@ impl ClientContext for GuardContext {
         }
         self.core.lock().set_watermarks(watermarks);
     }
+}
+
+/// The offset of `topic`'s partition `p` in `tpl` (from
+/// [`Consumer::position`]), if it holds a real one.
+fn position_in(tpl: &TopicPartitionList, topic: &str, p: i32) -> Option<i64> {
+    tpl.find_partition(topic, p)
+        .and_then(|e| e.offset().to_raw())
+        .filter(|o| *o >= 0)
 }
 
 impl ConsumerContext for GuardContext {

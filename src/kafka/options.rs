@@ -110,8 +110,9 @@ impl GuardOptions {
         self
     }
 
-    /// End once every assigned partition is read to its high watermark,
-    /// after a final checkpoint. Default false.
+    /// End once every assigned partition is read to its high watermark
+    /// (past any transaction marker at its end), after a final checkpoint.
+    /// Default false.
     pub fn stop_at_end(mut self, yes: bool) -> Self {
         self.stop_at_end = yes;
         self

@@ -562,8 +562,8 @@ impl Shared {
 
     /// Takes librdkafka's view of the assigned partitions from its
     /// statistics: partition to its high watermark, and the position to
-    /// count from while the guard has none of its own (librdkafka's, the
-    /// group's or the partition's start). Sets the
+    /// count from while the guard has none of its own or is behind it
+    /// (librdkafka's, the group's or the partition's start). Sets the
     /// `replayguard_consumer_lag` gauges; a partition that left this
     /// instance reads 0 there, so that a sum over instances counts each
     /// partition once.
@@ -581,14 +581,16 @@ impl Shared {
     }
 
     /// The consumer lag of each assigned partition: its high watermark as
-    /// of librdkafka's last statistics less its position now. Empty
-    /// without statistics.
+    /// of librdkafka's last statistics less its position now, or
+    /// librdkafka's position in those statistics if that is further (it
+    /// steps over transaction markers and aborted records, which no
+    /// record handed on reaches). Empty without statistics.
     pub fn lag(&self) -> BTreeMap<Partition, i64> {
         self.watermarks
             .iter()
             .filter_map(|((topic, p), (high, fallback))| {
                 let track = self.tracks.get(topic)?.get(p)?;
-                let position = track.next.or(*fallback)?;
+                let position = track.next.max(*fallback)?;
                 Some(((topic.clone(), *p), (high - position).max(0)))
             })
             .collect()
@@ -681,9 +683,16 @@ mod test {
         s.track("t", 0).next = Some(11);
         s.track("t", 1).next = Some(20);
         assert_eq!(s.lag(), BTreeMap::from([(tp("t", 0), 1), (tp("t", 1), 0)]));
+        // librdkafka's position past the guard's last record (a
+        // transaction marker after it) counts.
+        s.set_watermarks(BTreeMap::from([
+            (tp("t", 0), (12, Some(12))),
+            (tp("t", 1), (22, Some(20))),
+        ]));
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 0), 0), (tp("t", 1), 2)]));
         // A partition that leaves has no lag here any more.
         s.forget(&[tp("t", 0)]);
-        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 1), 0)]));
+        assert_eq!(s.lag(), BTreeMap::from([(tp("t", 1), 2)]));
     }
 
     #[test]

@@ -97,8 +97,9 @@ pub struct GuardArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub max_memory: Option<u64>,
 
-    /// Once every assigned partition is read to its high watermark, take a
-    /// final checkpoint and exit 0.
+    /// Once every assigned partition is read to its high watermark (past
+    /// any transaction marker at its end), take a final checkpoint and exit
+    /// 0.
     #[arg(long)]
     pub stop_at_end: bool,
 
