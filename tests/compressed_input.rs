@@ -7,7 +7,8 @@
 //! against it). And input written in Kafka transactions, committed and
 //! aborted, on Apache Kafka: each committed record once, no aborted one,
 //! and `--stop-at-end` ends although each partition's log ends with a
-//! transaction marker rather than a record.
+//! transaction marker rather than a record; and an output topic that a
+//! transactional writer shares, whose log ends with a marker too.
 
 use std::ops::RangeInclusive;
 use std::path::Path;
@@ -177,6 +178,42 @@ fn on_kafka_input_written_in_transactions_is_copied_and_consumed_exactly_once_to
         .map_err(|e| format!("{topic} transactions: {e}"))?;
     }
     Ok(())
+}
+
+#[test]
+fn on_kafka_an_output_shared_with_a_transactional_writer_is_reconciled_and_written_once()
+-> TestResult {
+    let broker = KafkaBroker::start(&[("plain", 2), ("shared", 2)])?;
+    let bootstrap = broker.servers();
+    // The other writer's transactions leave a commit marker at the end of
+    // each partition of the output, where reconciliation reads up to.
+    write_with(
+        &bootstrap,
+        "shared",
+        1,
+        100,
+        &WriteOptions {
+            transactions: 50,
+            ..WriteOptions::default()
+        },
+    )?;
+    write_with(&bootstrap, "plain", 101, 100, &WriteOptions::default())?;
+    let state = tempfile::tempdir()?;
+    run_to_end(&[
+        "pipe",
+        "--brokers",
+        &bootstrap,
+        "--group",
+        "into-shared",
+        "--input",
+        "plain",
+        "--output",
+        "shared",
+        "--state",
+        &state.path().display().to_string(),
+    ])?;
+    let written = integers(&read_topic(&bootstrap, "shared", PyClient::Confluent)?)?;
+    check_each_once(&written, 1..=200)
 }
 
 #[test]

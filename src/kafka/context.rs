@@ -1082,7 +1082,7 @@ impl ClientContext for GuardContext {
 
 /// The offset of `topic`'s partition `p` in `tpl` (from
 /// [`Consumer::position`]), if it holds a real one.
-fn position_in(tpl: &TopicPartitionList, topic: &str, p: i32) -> Option<i64> {
+pub(super) fn position_in(tpl: &TopicPartitionList, topic: &str, p: i32) -> Option<i64> {
     tpl.find_partition(topic, p)
         .and_then(|e| e.offset().to_raw())
         .filter(|o| *o >= 0)

@@ -14,7 +14,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
-use super::context::Core;
+use super::context::{Core, position_in};
 use super::headers::{SourcePosition, read_guard_headers};
 use super::setup::kafka;
 use super::shared::SinkPositions;
@@ -171,6 +171,18 @@ impl Reconciler {
         let mut last_progress = Instant::now();
         while !targets.is_empty() {
             let Some(r) = self.reader.poll(Duration::from_millis(200)) else {
+                // A partition whose log ends with a transaction marker (a
+                // transactional writer shares the topic, or wrote it
+                // before) has no record at its end; the reader's position,
+                // past the marker, says it was read.
+                if let Ok(positions) = self.reader.position() {
+                    targets.retain(|p, hi| {
+                        position_in(&positions, &self.topic, *p).is_none_or(|o| o < *hi)
+                    });
+                    if targets.is_empty() {
+                        break;
+                    }
+                }
                 if last_progress.elapsed() > self.timeout {
                     let _ = self.reader.unassign();
                     return Err(Error::Stopped {
