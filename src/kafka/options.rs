@@ -110,9 +110,10 @@ impl GuardOptions {
         self
     }
 
-    /// End once every assigned partition is read to its high watermark
-    /// (past any transaction marker at its end), after a final checkpoint.
-    /// Default false.
+    /// End once every assigned partition is read to its end as a
+    /// `read_committed` reader sees it (its high watermark, or the first
+    /// record of a transaction still open; past any transaction marker),
+    /// after a final checkpoint. Default false.
     pub fn stop_at_end(mut self, yes: bool) -> Self {
         self.stop_at_end = yes;
         self

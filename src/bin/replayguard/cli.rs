@@ -97,9 +97,10 @@ pub struct GuardArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub max_memory: Option<u64>,
 
-    /// Once every assigned partition is read to its high watermark (past
-    /// any transaction marker at its end), take a final checkpoint and exit
-    /// 0.
+    /// Once every assigned partition is read to its end as a
+    /// read_committed reader sees it (its high watermark, or the first
+    /// record of a transaction still open; past any transaction marker),
+    /// take a final checkpoint and exit 0.
     #[arg(long)]
     pub stop_at_end: bool,
 
