@@ -124,7 +124,7 @@ pub enum Error {
     /// refused by the broker, or purged. Its input is not recorded as
     /// handled, so a restart writes it again.
     #[error(
-        "the output of {input} was not delivered: {source}; its input is not recorded as handled, so a restart writes it again"
+        "the output of {input} was not delivered: {source}; its input is not recorded as handled, so a restart writes it again{hint}"
     )]
     Delivery {
         /// The input, `topic[partition]@offset`.
@@ -132,6 +132,9 @@ pub enum Error {
         /// The producer's error.
         #[source]
         source: Box<rdkafka::error::KafkaError>,
+        /// What to change before that restart, if the error says (empty
+        /// otherwise; it starts with `"; "`).
+        hint: &'static str,
     },
 
     /// A Kafka topic does not exist.
@@ -342,6 +345,26 @@ impl std::error::Error for StoreError {
 }
 
 impl Error {
+    /// [`Error::Delivery`] of the output of `input` (`topic[partition]@offset`),
+    /// with a hint where the producer's error has one.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn delivery(input: String, source: rdkafka::error::KafkaError) -> Self {
+        use rdkafka::types::RDKafkaErrorCode;
+        let hint = match source.rdkafka_error_code() {
+            // The input fitted its topic; its output is larger by the
+            // guard's headers (see `kafka::headers`).
+            Some(RDKafkaErrorCode::MessageSizeTooLarge) => {
+                "; an output is its input and replayguard's headers (62 bytes and the input topic's name, 26 more where an input has several outputs): raise the output topic's max.message.bytes, and the producer's message.max.bytes (-X)"
+            }
+            _ => "",
+        };
+        Error::Delivery {
+            input,
+            source: Box::new(source),
+            hint,
+        }
+    }
+
     /// True for errors that poison a guard: a failed write or fsync.
     #[must_use]
     pub fn is_poisoning(&self) -> bool {

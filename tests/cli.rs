@@ -1371,3 +1371,53 @@ fn pipe_stops_on_a_full_disk_and_its_restart_writes_each_input_once() -> TestRes
     let values = integers(&read_topic(&bootstrap, "out", PyClient::KafkaPython)?)?;
     check_each_once(&values, 1..=N)
 }
+
+/// An input that fits its topic but whose output, with the guard's headers
+/// (64 bytes here), passes the producer's `message.max.bytes`: the run
+/// stops on it with a hint, and a restart with a larger limit writes it and
+/// the rest, each once.
+#[test]
+fn pipe_stops_on_an_output_too_large_with_a_hint_and_its_restart_writes_it_once() -> TestResult {
+    // librdkafka's limit is on a record's largest wire size: 36 bytes of
+    // framing, the key, the value and the headers. With a 1-byte key the
+    // input (no headers) takes 999,967 of the default 1,000,000 and its
+    // output 1,000,031.
+    const LARGE: usize = 999_930;
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    let bootstrap = broker.bootstrap();
+    let records = (1..=10u64).map(|n| {
+        // Leading zeros: the value still reads as the integer.
+        let value = if n == 5 {
+            format!("{}{n}", "0".repeat(LARGE - 1))
+        } else {
+            n.to_string()
+        };
+        NewRecord {
+            key: Some(n.to_string().into_bytes()),
+            value: Some(value.into_bytes()),
+            ..NewRecord::default()
+        }
+    });
+    produce(&bootstrap, "in", records)?;
+    let state = tempfile::tempdir()?;
+    let out = run_bounded(
+        &mut kafka_pipe(&bootstrap, "large", state.path(), &["--stop-at-end"]),
+        RUN_LIMIT,
+    )?;
+    let line = one_error_line(&out, 1)?;
+    expect_contains(&line, "the output of in[0]@4 was not delivered")?;
+    expect_contains(&line, "Message size too large")?;
+    expect_contains(&line, "raise the output topic's max.message.bytes")?;
+    let again = run_bounded(
+        &mut kafka_pipe(
+            &bootstrap,
+            "large",
+            state.path(),
+            &["--stop-at-end", "-X", "message.max.bytes=1100000"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&again, "the run with a larger limit")?;
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&values, 1..=10)
+}

@@ -164,10 +164,7 @@ impl ProducerContext for DeliveryContext {
                 }
             }
             Err((e, _)) => {
-                s.fail(Error::Delivery {
-                    input: t.input(),
-                    source: Box::new(e.clone()),
-                });
+                s.fail(Error::delivery(t.input(), e.clone()));
             }
         }
     }

@@ -283,10 +283,9 @@ impl GuardedPipeline {
                         tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                     Err((e, _)) => {
-                        return Err(self.core.stop(Error::Delivery {
-                            input: format!("{topic}[{partition}]@{offset}"),
-                            source: Box::new(e),
-                        }));
+                        return Err(self
+                            .core
+                            .stop(Error::delivery(format!("{topic}[{partition}]@{offset}"), e)));
                     }
                 }
             }
