@@ -127,10 +127,12 @@ pub enum Identity {
     /// xxh3-128 of key and value (the default).
     #[default]
     Content,
-    /// xxh3-128 of the key.
+    /// xxh3-128 of the key. A record without a key has no identity: it
+    /// falls back to its position alone (records without a key are not
+    /// resends of each other).
     Key,
-    /// xxh3-128 of the named header's value. A record without the header
-    /// falls back to its position alone, and is counted as unidentified.
+    /// xxh3-128 of the named header's value. A record without the header,
+    /// or whose header has no value, falls back to its position alone.
     Header(String),
     /// Position only: `(partition, offset)`. Catches the application's own
     /// replays, not upstream resends.
@@ -208,7 +210,7 @@ impl Identity {
     ///
     /// `header` looks up a header value by name (`None` when absent).
     /// Returns `None` when the identity is position-only, or when the
-    /// chosen header is missing.
+    /// chosen key or header value is missing.
     pub fn fingerprint<'a>(
         &self,
         key: Option<&[u8]>,
@@ -217,8 +219,10 @@ impl Identity {
     ) -> Option<Fingerprint> {
         match self {
             Identity::Content => Some(Fingerprint::content(key, value)),
-            Identity::Key => Some(Fingerprint::key(key)),
-            Identity::Header(name) => header(name).map(|v| Fingerprint::header(name, v)),
+            Identity::Key => key.map(|k| Fingerprint::key(Some(k))),
+            Identity::Header(name) => header(name)
+                .flatten()
+                .map(|v| Fingerprint::header(name, Some(v))),
             Identity::Offset => None,
             Identity::Custom(f) => (f.0)(key, value),
         }
@@ -283,6 +287,26 @@ mod test {
         }
         assert_eq!(Fingerprint::from_bytes(b"x"), None);
         assert_eq!(Fingerprint::from_bytes(&[b'z'; 17]), None);
+    }
+
+    #[test]
+    fn a_missing_key_or_header_value_is_no_identity() {
+        let none = |_: &str| None;
+        let null = |_: &str| Some(None);
+        let empty = |_: &str| Some(Some(&b""[..]));
+        let by_key = Identity::Key;
+        assert_eq!(by_key.fingerprint(None, Some(b"v"), none), None);
+        assert_eq!(
+            by_key.fingerprint(Some(b""), Some(b"v"), none),
+            Some(Fingerprint::key(Some(b"")))
+        );
+        let by_header = Identity::Header("id".into());
+        assert_eq!(by_header.fingerprint(Some(b"k"), None, none), None);
+        assert_eq!(by_header.fingerprint(Some(b"k"), None, null), None);
+        assert_eq!(
+            by_header.fingerprint(None, None, empty),
+            Some(Fingerprint::header("id", Some(b"")))
+        );
     }
 
     #[test]

@@ -467,6 +467,48 @@ fn consume_prints_each_value_once_despite_upstream_resends() -> TestResult {
     Ok(())
 }
 
+/// Under the key identity a record without a key has no identity: it is
+/// told apart by its position, like a record without the chosen header,
+/// not taken for a resend of every other record without a key.
+#[test]
+fn consume_by_key_prints_each_record_without_a_key_and_drops_a_resent_key() -> TestResult {
+    let broker = MockBroker::start(&[("keyed", 1)])?;
+    let record = |key: Option<&str>, value: &str| NewRecord {
+        key: key.map(|k| k.as_bytes().to_vec()),
+        value: Some(value.as_bytes().to_vec()),
+        ..NewRecord::default()
+    };
+    produce(
+        broker.bootstrap(),
+        "keyed",
+        [
+            record(Some("a"), "1"),
+            record(None, "2"),
+            record(None, "3"),
+            // A resend of key "a", with a new value: the same identity.
+            record(Some("a"), "4"),
+            record(None, "5"),
+            record(Some("b"), "6"),
+        ],
+    )?;
+    let state = tempfile::tempdir()?;
+    let out = run_bounded(
+        &mut consume(
+            &broker,
+            "keyed",
+            state.path(),
+            &["--stop-at-end", "--identity", "key"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&out, "consume --identity key")?;
+    let printed: Vec<u64> = text(&out.stdout)
+        .lines()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    check_each_once(&printed, [1, 2, 3, 5, 6])
+}
+
 #[test]
 fn consume_format_prints_key_partition_offset_topic_and_headers() -> TestResult {
     let broker = MockBroker::start(&[("fmt", 2)])?;

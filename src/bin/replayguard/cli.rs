@@ -73,6 +73,8 @@ pub struct GuardArgs {
 
     /// What makes two records the same: `content` (key and value),
     /// `key`, `header:NAME` or `offset` (replays at the same position only).
+    /// Under `key` or `header:NAME` a record without a key or that header
+    /// is told apart by its position only.
     #[arg(long, value_name = "IDENTITY", default_value = "content", value_parser = parse_identity)]
     pub identity: Identity,
 
