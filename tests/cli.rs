@@ -1138,7 +1138,7 @@ fn pipe_refuses_a_missing_or_foreign_state_folder() -> TestResult {
 }
 
 #[test]
-fn pipe_and_consume_refuse_an_unknown_topic() -> TestResult {
+fn pipe_and_consume_refuse_an_unknown_topic_or_a_pattern() -> TestResult {
     let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;
     let dir = tempfile::tempdir()?;
     let mut c = replayguard();
@@ -1155,7 +1155,17 @@ fn pipe_and_consume_refuse_an_unknown_topic() -> TestResult {
     expect_contains(
         &one_error_line(&out, 1)?,
         "topic \"missing-in\" does not exist",
-    )
+    )?;
+    // A pattern is not a name: a usage error, and no folder is made.
+    let folder = dir.path().join("c");
+    let out = run_bounded(&mut consume(&broker, "^in$", &folder, &[]), RUN_LIMIT)?;
+    let line = one_error_line(&out, 2)?;
+    expect_contains(&line, "\"^in$\" is not a Kafka topic name")?;
+    expect_contains(&line, "not by a pattern")?;
+    if folder.exists() {
+        return Err("a refused pattern made a state folder".into());
+    }
+    Ok(())
 }
 
 #[test]

@@ -231,13 +231,11 @@ impl GuardOptions {
         ) {
             return Err(Error::Config("timeout must be between 1s and 1h".into()));
         }
-        if self.changelog.as_deref().is_some_and(|t| {
-            t.is_empty()
-                || t.len() > 249
-                || !t
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-        }) {
+        if self
+            .changelog
+            .as_deref()
+            .is_some_and(|t| !super::setup::is_topic_name(t))
+        {
             return Err(Error::Config(
                 "changelog must be a topic name: 1 to 249 of a-z, A-Z, 0-9, '.', '_' and '-'"
                     .into(),

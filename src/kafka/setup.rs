@@ -294,8 +294,19 @@ impl ProbeContext {
     }
 }
 
+/// Whether `name` is a legal Kafka topic name: 1 to 249 of a-z, A-Z, 0-9,
+/// '.', '_' and '-', and neither "." nor "..".
+pub(crate) fn is_topic_name(name: &str) -> bool {
+    (1..=249).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
 /// Waits for the brokers to answer and checks that every topic exists, with
-/// bounded retries.
+/// bounded retries; a name that is not a topic name is refused first.
 ///
 /// Returns the partition count of each topic.
 pub(crate) fn probe_topics(
@@ -303,6 +314,16 @@ pub(crate) fn probe_topics(
     topics: &[&str],
     attempts: u32,
 ) -> Result<Vec<usize>> {
+    if let Some(bad) = topics.iter().find(|t| !is_topic_name(t)) {
+        let pattern = if bad.starts_with('^') {
+            "; topics are named one by one, not by a pattern (^...): a state folder's job records its topics by name"
+        } else {
+            ""
+        };
+        return Err(Error::Config(format!(
+            "{bad:?} is not a Kafka topic name: 1 to 249 of a-z, A-Z, 0-9, '.', '_' and '-'{pattern}"
+        )));
+    }
     let probe: BaseConsumer<ProbeContext> = connection_config(cfg)
         .set("allow.auto.create.topics", "false")
         .create_with_context(ProbeContext::default())
