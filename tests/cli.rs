@@ -650,6 +650,14 @@ fn pipe_with_a_changelog_ships_its_identities_and_inspect_shows_where() -> TestR
         &text(&bad.stderr),
         "--changelog: the changelog must be a topic name",
     )?;
+    // Nor can it be a topic the job reads or writes.
+    for topic in ["in", "out"] {
+        let mixed = run_bounded(&mut pipe(&["--changelog", topic]), RUN_LIMIT)?;
+        expect_contains(
+            &one_error_line(&mixed, 2)?,
+            "is also a topic this job reads or writes",
+        )?;
+    }
     Ok(())
 }
 

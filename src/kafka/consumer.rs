@@ -114,6 +114,7 @@ impl GuardedConsumerBuilder {
         o.validate()?;
         let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
         let counts = setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
         let guard = o.open(&self.state)?;
         let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label())

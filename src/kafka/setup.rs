@@ -305,6 +305,17 @@ pub(crate) fn is_topic_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
+/// Refuses a changelog topic that is also one the job reads or writes: its
+/// records would be read as input, or written among the outputs.
+pub(crate) fn check_changelog_apart(changelog: Option<&str>, topics: &[&str]) -> Result<()> {
+    match changelog {
+        Some(log) if topics.contains(&log) => Err(Error::Config(format!(
+            "changelog {log:?} is also a topic this job reads or writes: its identity records would mix with the records; give the changelog a topic of its own"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Waits for the brokers to answer and checks that every topic exists, with
 /// bounded retries; a name that is not a topic name is refused first.
 ///

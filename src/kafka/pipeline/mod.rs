@@ -181,6 +181,7 @@ impl GuardedPipelineBuilder {
         )?;
         let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         topics.push(&output);
+        setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
         let counts = setup::probe_topics(&self.consumer, &topics, o.connect_attempts)?;
         let out_partitions = counts.last().copied().unwrap_or(1);
         let guard = o.open(&self.state)?;
