@@ -320,6 +320,54 @@ fn pipe_baseline_modes_copy_each_record_once_without_crashes() -> TestResult {
     Ok(())
 }
 
+/// Two jobs write to one topic. A new job's reconciliation reads the whole
+/// output (no position of its own names where to start) and takes only its
+/// own inputs' outputs as handled: the other job's are passed over, not
+/// kept in its folder as positions of a topic it does not read.
+#[test]
+fn pipe_passes_over_the_outputs_of_another_job_sharing_its_output() -> TestResult {
+    let broker = MockBroker::start(&[("in", 1), ("other", 1), ("out", 1)])?;
+    produce_integers(broker.bootstrap(), "in", 1..=200)?;
+    produce_integers(broker.bootstrap(), "other", 1001..=1050)?;
+    let dir = tempfile::tempdir()?;
+    let first = run_bounded(
+        &mut pipe(
+            &broker,
+            "first",
+            &dir.path().join("first"),
+            &["--stop-at-end"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&first, "the first job")?;
+    let second = dir.path().join("second");
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", broker.bootstrap(), "--group", "second"])
+        .args(["--input", "other", "--output", "out", "--stop-at-end"])
+        // Every epoch kept, so that whatever it recorded shows.
+        .args(["--retention-epochs", "1000"])
+        .args(["-X", "session.timeout.ms=6000", "--state"])
+        .arg(&second);
+    success(&run_bounded(&mut c, RUN_LIMIT)?, "the second job")?;
+    let values = integers(&read_topic(broker.bootstrap(), "out", PyClient::Confluent)?)?;
+    check_each_once(&values, (1..=200).chain(1001..=1050))?;
+    let report = inspect(&second, true)?;
+    success(&report, "inspect --json")?;
+    let json: serde_json::Value = serde_json::from_slice(&report.stdout)?;
+    let lanes: Vec<&serde_json::Value> = json["epochs"]
+        .as_array()
+        .ok_or("no epochs in inspect --json")?
+        .iter()
+        .flat_map(|e| e["lanes"].as_array().into_iter().flatten())
+        .chain(json["positions"].as_array().into_iter().flatten())
+        .collect();
+    if lanes.is_empty() || lanes.iter().any(|l| l["topic"] != "other") {
+        return Err(format!("the second job's folder holds {lanes:?}").into());
+    }
+    Ok(())
+}
+
 #[test]
 fn sigterm_takes_a_final_checkpoint_and_exits_zero() -> TestResult {
     let broker = MockBroker::start(&[("in", 1), ("out", 1)])?;

@@ -4,7 +4,8 @@
 //! Every guarded output carries its input's source position and
 //! fingerprint. On recovery the reader scans each output partition from the
 //! last known sink position to its high watermark and records those inputs
-//! as handled.
+//! as handled: the pipeline's own inputs, not those of another job that
+//! writes to the same topic.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -32,6 +33,9 @@ pub(crate) struct Reconciler {
     reader: BaseConsumer,
     topic: String,
     partitions: usize,
+    /// The pipeline's input topics: outputs of any other topic's records
+    /// (another job writing to the same topic) are passed over.
+    inputs: Vec<String>,
     timeout: Duration,
 }
 
@@ -41,6 +45,7 @@ impl Reconciler {
         group: &str,
         topic: &str,
         partitions: usize,
+        inputs: &[String],
         timeout: Duration,
     ) -> Result<Self> {
         // The pipeline's own group: librdkafka wants one even for a reader
@@ -58,6 +63,7 @@ impl Reconciler {
             reader,
             topic: topic.to_owned(),
             partitions,
+            inputs: inputs.to_vec(),
             timeout,
         })
     }
@@ -197,7 +203,9 @@ impl Reconciler {
             };
             let m = r.map_err(kafka("reading the output for reconciliation"))?;
             last_progress = Instant::now();
-            if let Some(h) = read_guard_headers(m.headers()) {
+            if let Some(h) =
+                read_guard_headers(m.headers()).filter(|h| self.inputs.contains(&h.src.topic))
+            {
                 if h.part.1 > 1 {
                     let key = (h.src.topic.clone(), h.src.partition, h.src.offset);
                     let e = parts

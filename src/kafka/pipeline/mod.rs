@@ -227,6 +227,7 @@ impl GuardedPipelineBuilder {
                 &group,
                 &output,
                 out_partitions,
+                &self.inputs,
                 o.timeout,
             )?),
             _ => None,
