@@ -1480,6 +1480,51 @@ fn pipe_stops_on_a_full_disk_and_its_restart_writes_each_input_once() -> TestRes
     check_each_once(&values, 1..=N)
 }
 
+/// `--stop-at-end` on a topic of 256 partitions ends with the input read.
+/// Its end check once asked each partition's end offset in a request of
+/// its own, each waiting behind the consumer's fetch on the connection (up
+/// to `fetch.wait.max.ms` at the tail): about 129 s for 256 partitions,
+/// past this test's bound on each run.
+#[test]
+fn pipe_and_consume_end_on_a_topic_of_256_partitions() -> TestResult {
+    const N: u64 = 2_560;
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 256), ("out", 256)])?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=N)?;
+    let state = tempfile::tempdir()?;
+    let copy = run_bounded(
+        &mut kafka_pipe(
+            &bootstrap,
+            "wide",
+            &state.path().join("pipe"),
+            &["--stop-at-end"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&copy, "pipe --stop-at-end")?;
+    let copied = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&copied, 1..=N)?;
+    let mut c = replayguard();
+    c.arg("consume")
+        .args([
+            "--brokers",
+            &bootstrap,
+            "--group",
+            "wide-reader",
+            "--topic",
+            "in",
+        ])
+        .args(["--stop-at-end", "--state"])
+        .arg(state.path().join("consume"));
+    let read = run_bounded(&mut c, RUN_LIMIT)?;
+    success(&read, "consume --stop-at-end")?;
+    let printed: Vec<u64> = text(&read.stdout)
+        .lines()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    check_each_once(&printed, 1..=N)
+}
+
 /// An input that fits its topic but whose output, with the guard's headers
 /// (64 bytes here), passes the producer's `message.max.bytes`: the run
 /// stops on it with a hint, and a restart with a larger limit writes it and
