@@ -307,12 +307,18 @@ impl Core {
     /// aborted records before it), which the consumer steps over without
     /// handing on a record, so no record's offset reaches the watermark.
     /// The position counts only records already handed on, all of which
-    /// the caller admitted before this call.
+    /// the caller admitted before this call; no partition is at its end
+    /// while any is held.
     pub fn at_end(&self, consumer: &impl Consumer<GuardContext>, eof: i32) -> Result<bool> {
         let assigned = {
             let mut s = self.lock();
             s.at_eof.insert(eof);
-            if s.assigned.is_empty() || s.assigned.iter().any(|(_, p)| !s.at_eof.contains(p)) {
+            // A held partition's records, even those librdkafka handed on
+            // before its pause took hold, are read again once released.
+            if s.assigned.is_empty()
+                || s.held.is_some()
+                || s.assigned.iter().any(|(_, p)| !s.at_eof.contains(p))
+            {
                 return Ok(false);
             }
             s.assigned.clone()
