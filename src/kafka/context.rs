@@ -298,8 +298,8 @@ impl Core {
     /// are read only once every assigned partition has reported its end,
     /// all in one request to each leader: a request waits behind the
     /// consumer's own fetch on that connection, up to `fetch.wait.max.ms`
-    /// at the tail, so one a partition made the check take about half a
-    /// second a partition (129 s for 256).
+    /// at the tail, so asked one by one they took about half a second a
+    /// partition (two minutes for 256, BENCHMARKS.md).
     ///
     /// A partition is read to where the guard's last record ends or, if
     /// further, to librdkafka's position in it: the log of a topic written
