@@ -1525,6 +1525,32 @@ fn pipe_and_consume_end_on_a_topic_of_256_partitions() -> TestResult {
     check_each_once(&printed, 1..=N)
 }
 
+/// Records deleted from an input before the guard read them (retention or
+/// DeleteRecords moved the log's start past its position) cannot reach the
+/// output: librdkafka resumes at the log's new start, and the run says so
+/// in a warning naming the partition, then copies the rest once.
+#[test]
+fn pipe_warns_when_input_records_were_deleted_before_it_read_them() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    let bootstrap = broker.bootstrap();
+    let state = tempfile::tempdir()?;
+    let run = || kafka_pipe(&bootstrap, "deleted", state.path(), &["--stop-at-end"]);
+    produce_integers(&bootstrap, "in", 1..=500)?;
+    let first = run_bounded(&mut run(), RUN_LIMIT)?;
+    success(&first, "the first run")?;
+    produce_integers(&bootstrap, "in", 501..=1000)?;
+    // Offsets 500 to 799 (values 501 to 800) go before they are read.
+    broker.delete_records("in", 0, 800)?;
+    let second = run_bounded(&mut run(), RUN_LIMIT)?;
+    success(&second, "the run after the deletion")?;
+    let stderr = text(&second.stderr);
+    expect_contains(&stderr, " WARN ")?;
+    expect_contains(&stderr, "in [0]: offset reset (at offset 500")?;
+    expect_contains(&stderr, "cannot reach the output")?;
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&values, (1..=500).chain(801..=1000))
+}
+
 /// An input that fits its topic but whose output, with the guard's headers
 /// (64 bytes here), passes the producer's `message.max.bytes`: the run
 /// stops on it with a hint, and a restart with a larger limit writes it and

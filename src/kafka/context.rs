@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
 use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, ConsumerGroupMetadata,
 };
@@ -1070,6 +1071,26 @@ impl GuardContext {
 }
 
 impl ClientContext for GuardContext {
+    /// librdkafka's log, passed on as rdkafka does, and one line of ours
+    /// at warning level when it moved an input partition's position
+    /// because that offset was out of range: the records between were
+    /// deleted (retention, compaction or DeleteRecords) before they were
+    /// read, which the command line would not show otherwise (it leaves
+    /// librdkafka's log out by default).
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        let warning = !matches!(
+            level,
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info | RDKafkaLogLevel::Debug
+        );
+        if warning && fac == "OFFSET" && message.contains("offset reset") {
+            tracing::warn!(
+                reason = message,
+                "an input partition's position was reset: the records deleted before they were read cannot reach the output"
+            );
+        }
+        rdkafka::client::DefaultClientContext.log(level, fac, message);
+    }
+
     /// A client-wide error that means the connection cannot work (refused
     /// credentials, TLS, an error librdkafka calls fatal) stops the guard;
     /// any other is logged at debug level, and librdkafka retries it.

@@ -4,6 +4,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
@@ -64,6 +65,18 @@ pub(crate) fn guarded_consumer_config(
     let mut cfg = user.clone();
     cfg.set("enable.auto.commit", "false");
     cfg.set("enable.auto.offset.store", "false");
+    // rdkafka sets librdkafka's log level from what the `log` facade lets
+    // through for librdkafka, which may be errors only; the guard needs
+    // its warnings (`GuardContext::log`).
+    if matches!(
+        cfg.log_level,
+        RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error
+    ) {
+        cfg.set_log_level(RDKafkaLogLevel::Warning);
+    }
     // The end of the input is found from partition-end events.
     if stop_at_end {
         cfg.set("enable.partition.eof", "true");

@@ -340,6 +340,25 @@ impl KafkaBroker {
         }
     }
 
+    /// Deletes the records of `topic`'s partition `partition` below
+    /// `before` (the DeleteRecords request, as retention would): its log
+    /// then starts there.
+    ///
+    /// # Errors
+    /// When the broker refuses or does not answer within a minute.
+    pub fn delete_records(&self, topic: &str, partition: i32, before: i64) -> TestResult {
+        let admin = self.admin()?;
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(60)));
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition_offset(topic, partition, rdkafka::Offset::Offset(before))?;
+        let result = futures::executor::block_on(admin.delete_records(&tpl, &options))?;
+        for e in result.elements() {
+            e.error()
+                .map_err(|err| format!("deleting records of {topic}[{partition}]: {err}"))?;
+        }
+        Ok(())
+    }
+
     /// Waits until every partition of a new topic has a leader.
     fn wait_for_topic(&self, name: &str, partitions: i32) -> TestResult {
         let client: BaseConsumer = self.client_config().create()?;
