@@ -144,7 +144,7 @@ fn on_kafka_every_codec_from_two_independent_writers_is_copied_and_consumed_exac
 #[test]
 fn on_kafka_input_written_in_transactions_is_copied_and_consumed_exactly_once_to_its_end()
 -> TestResult {
-    const TRANSACTIONS: u64 = 600;
+    const COMMITTED: u64 = 600;
     let broker = KafkaBroker::start(&[
         ("committed", 2),
         ("committed-copy", 2),
@@ -161,7 +161,7 @@ fn on_kafka_input_written_in_transactions_is_copied_and_consumed_exactly_once_to
             &bootstrap,
             topic,
             1,
-            TRANSACTIONS,
+            COMMITTED,
             &WriteOptions {
                 transactions: 50,
                 aborted,
@@ -173,7 +173,7 @@ fn on_kafka_input_written_in_transactions_is_copied_and_consumed_exactly_once_to
             topic,
             &format!("{topic}-copy"),
             state.path(),
-            1..=TRANSACTIONS,
+            1..=COMMITTED,
         )
         .map_err(|e| format!("{topic} transactions: {e}"))?;
     }

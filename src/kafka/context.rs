@@ -322,23 +322,14 @@ impl Core {
             {
                 return Ok(false);
             }
-            s.assigned.clone()
+            assigned_nexts(&s)
         };
         let positions = consumer
             .position()
             .map_err(kafka("reading input positions"))?;
-        let mut latest = TopicPartitionList::new();
-        for (topic, p) in &assigned {
-            latest
-                .add_partition_offset(topic, *p, Offset::End)
-                .map_err(kafka("listing the input partitions"))?;
-        }
-        // The latest offset as this consumer's isolation level sees it: the
-        // high watermark, or the last stable offset under read_committed.
-        let ends = consumer
-            .offsets_for_times(latest, self.timeout)
+        let ends = end_offsets(consumer, &assigned, self.timeout)
             .map_err(kafka("reading input watermarks"))?;
-        for (topic, p) in &assigned {
+        for ((topic, p), next) in &assigned {
             let end = ends.find_partition(topic, *p);
             if let Some(Err(e)) = end.as_ref().map(|e| e.error()) {
                 return Err(Error::Kafka {
@@ -352,14 +343,7 @@ impl Core {
                     after: None,
                 });
             };
-            let position = position_in(&positions, topic, *p);
-            let s = self.lock();
-            let next = s
-                .tracks
-                .get(topic)
-                .and_then(|m| m.get(p))
-                .and_then(|t| t.next);
-            if next.max(position).unwrap_or(0) < hi {
+            if (*next).max(position_in(&positions, topic, *p)).unwrap_or(0) < hi {
                 return Ok(false);
             }
         }
@@ -374,30 +358,15 @@ impl Core {
     pub fn consume_failure(&self, consumer: &impl Consumer<GuardContext>, e: KafkaError) -> Error {
         let mut at = Vec::new();
         let positions = consumer.position().ok();
-        let assigned: Vec<(Partition, Option<i64>)> = {
-            let s = self.lock();
-            s.assigned
-                .iter()
-                .map(|(topic, p)| {
-                    let next = s
-                        .tracks
-                        .get(topic)
-                        .and_then(|m| m.get(p))
-                        .and_then(|t| t.next);
-                    ((topic.clone(), *p), next)
-                })
-                .collect()
-        };
+        let assigned = assigned_nexts(&self.lock());
+        let ends = end_offsets(consumer, &assigned, Duration::from_secs(2)).ok();
         for ((topic, p), next) in assigned {
             let next = next.max(
                 positions
                     .as_ref()
                     .and_then(|tpl| position_in(tpl, &topic, p)),
             );
-            let high = consumer
-                .fetch_watermarks(&topic, p, Duration::from_secs(2))
-                .ok()
-                .map(|(_, h)| h);
+            let high = ends.as_ref().and_then(|tpl| position_in(tpl, &topic, p));
             if next.zip(high).is_none_or(|(n, h)| n < h) {
                 at.push(match next {
                     Some(o) => format!("{topic}[{p}] at offset {o}"),
@@ -1129,6 +1098,38 @@ impl ClientContext for GuardContext {
         }
         self.core.lock().set_watermarks(watermarks);
     }
+}
+
+/// Each assigned partition with the offset after the last record the
+/// guard admitted from it, if any.
+fn assigned_nexts(s: &Shared) -> Vec<(Partition, Option<i64>)> {
+    s.assigned
+        .iter()
+        .map(|(topic, p)| {
+            let next = s
+                .tracks
+                .get(topic)
+                .and_then(|m| m.get(p))
+                .and_then(|t| t.next);
+            ((topic.clone(), *p), next)
+        })
+        .collect()
+}
+
+/// The latest offset of each of `partitions` as `consumer`'s isolation
+/// level sees it (the high watermark, or the last stable offset under
+/// read_committed), in one request to each leader: one a partition would
+/// wait behind the consumer's own fetch each time (see [`Core::at_end`]).
+fn end_offsets(
+    consumer: &impl Consumer<GuardContext>,
+    partitions: &[(Partition, Option<i64>)],
+    timeout: Duration,
+) -> rdkafka::error::KafkaResult<TopicPartitionList> {
+    let mut latest = TopicPartitionList::new();
+    for ((topic, p), _) in partitions {
+        latest.add_partition_offset(topic, *p, Offset::End)?;
+    }
+    consumer.offsets_for_times(latest, timeout)
 }
 
 /// The offset of `topic`'s partition `p` in `tpl` (from
