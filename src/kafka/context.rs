@@ -245,7 +245,7 @@ impl Core {
     /// Fails when this instance's lease on its partitions lapsed (the
     /// process stood still longer than the lease) or librdkafka found its
     /// session timed out: another member may own them now. Queued outputs
-    /// are purged first, so that none of them is sent (their inputs stay
+    /// are purged, so that none of them is sent (their inputs stay
     /// unhandled).
     pub fn check_lease(&self, consumer: &impl Consumer<GuardContext>) -> Result<()> {
         let lapsed = self.lease.lapsed();
@@ -253,7 +253,6 @@ impl Core {
         if lapsed.is_none() && !lost {
             return Ok(());
         }
-        self.hooks.purge();
         let e = match lapsed {
             Some(since) => Error::LeaseLapsed {
                 since,
@@ -261,7 +260,11 @@ impl Core {
             },
             None => Error::AssignmentLost,
         };
-        Err(self.stop(e))
+        // The guard stops first, so that the outputs the purge fails are
+        // not taken for the cause.
+        let e = self.stop(e);
+        self.hooks.purge();
+        Err(e)
     }
 
     pub fn is_aborted(&self) -> bool {
