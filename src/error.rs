@@ -137,6 +137,27 @@ pub enum Error {
         hint: &'static str,
     },
 
+    #[cfg(feature = "kafka")]
+    /// The output producer failed for good (a fatal error of librdkafka's,
+    /// such as a producer id the brokers refuse), so an output was not
+    /// delivered and no later one can be. Its input is not recorded as
+    /// handled, so a restart writes it again.
+    #[error(
+        "the output producer failed for good, so the output of {input} was not delivered: {reason}; its input is not recorded as handled, so a restart writes it again{hint}"
+    )]
+    ProducerFailed {
+        /// The input, `topic[partition]@offset`.
+        input: String,
+        /// What librdkafka said of the fatal error.
+        reason: String,
+        /// The fatal error.
+        #[source]
+        source: Box<rdkafka::error::KafkaError>,
+        /// What to change before that restart, if the error says (empty
+        /// otherwise; it starts with `"; "`).
+        hint: &'static str,
+    },
+
     /// A Kafka topic does not exist.
     #[error("topic {topic:?} does not exist on {brokers}; create it first or check the name")]
     UnknownTopic {
@@ -349,18 +370,36 @@ impl Error {
     /// with a hint where the producer's error has one.
     #[cfg(feature = "kafka")]
     pub(crate) fn delivery(input: String, source: rdkafka::error::KafkaError) -> Self {
-        use rdkafka::types::RDKafkaErrorCode;
-        let hint = match source.rdkafka_error_code() {
-            // The input fitted its topic; its output is larger by the
-            // guard's headers (see `kafka::headers`).
-            Some(RDKafkaErrorCode::MessageSizeTooLarge) => {
-                "; an output is its input and replayguard's headers (62 bytes and the input topic's name, 26 more where an input has several outputs): raise the output topic's max.message.bytes, and the producer's message.max.bytes (-X)"
-            }
-            _ => "",
-        };
+        let hint = write_hint(&source);
         Error::Delivery {
             input,
             source: Box::new(source),
+            hint,
+        }
+    }
+
+    /// [`Error::ProducerFailed`] for the output of `input`: `cause` is the
+    /// producer's fatal error, `reason` librdkafka's text for it.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn producer_failed(
+        input: String,
+        cause: rdkafka::error::KafkaError,
+        reason: String,
+    ) -> Self {
+        use rdkafka::types::RDKafkaErrorCode;
+        let hint = match cause.rdkafka_error_code() {
+            // An idempotent producer's id is refused: since Kafka 3.0 the
+            // broker grants one to a principal with WRITE on any topic, or
+            // IDEMPOTENT_WRITE on the cluster.
+            Some(RDKafkaErrorCode::ClusterAuthorizationFailed) => {
+                "; the brokers refused this client a producer id, which an idempotent producer needs: grant its principal WRITE on the output topic (or IDEMPOTENT_WRITE on the cluster)"
+            }
+            _ => write_hint(&cause),
+        };
+        Error::ProducerFailed {
+            input,
+            reason,
+            source: Box::new(cause),
             hint,
         }
     }
@@ -407,6 +446,8 @@ impl Error {
             Error::Kafka { .. } => "kafka",
             #[cfg(feature = "kafka")]
             Error::Delivery { .. } => "delivery",
+            #[cfg(feature = "kafka")]
+            Error::ProducerFailed { .. } => "producer_failed",
             Error::UnknownTopic { .. } => "unknown_topic",
             #[cfg(feature = "kafka")]
             Error::Connect { .. } => "connect",
@@ -424,6 +465,29 @@ impl Error {
             Error::Changelog { .. } => "changelog",
             Error::Io(_) => "io",
         }
+    }
+}
+
+/// What to change before a restart, for an output the producer could not
+/// write (empty, or starting with `"; "`).
+#[cfg(feature = "kafka")]
+fn write_hint(e: &rdkafka::error::KafkaError) -> &'static str {
+    use rdkafka::types::RDKafkaErrorCode;
+    match e.rdkafka_error_code() {
+        // The input fitted its topic; its output is larger by the
+        // guard's headers (see `kafka::headers`).
+        Some(RDKafkaErrorCode::MessageSizeTooLarge) => {
+            "; an output is its input and replayguard's headers (62 bytes and the input topic's name, 26 more where an input has several outputs): raise the output topic's max.message.bytes, and the producer's message.max.bytes (-X)"
+        }
+        // Nothing acked it in time: the cause is on the broker's side or
+        // the way to it, which the code does not say.
+        Some(RDKafkaErrorCode::MessageTimedOut) => {
+            "; no broker acknowledged it within the delivery timeout (the producer's message.timeout.ms): check that the output topic exists, that its partitions have a leader, and that the brokers are reachable"
+        }
+        Some(RDKafkaErrorCode::TopicAuthorizationFailed) => {
+            "; the brokers do not let this client write the output topic: grant its principal WRITE on that topic"
+        }
+        _ => "",
     }
 }
 

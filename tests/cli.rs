@@ -1600,3 +1600,38 @@ fn pipe_stops_on_an_output_too_large_with_a_hint_and_its_restart_writes_it_once(
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
     check_each_once(&values, 1..=10)
 }
+
+/// An output that no broker acknowledges in time (its topic deleted under
+/// a running pipe, here) stops the run with the delivery timeout named and
+/// what to check; before, the error said "Message timed out" and no more.
+#[test]
+fn pipe_stops_on_an_output_never_acknowledged_with_what_to_check() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 1), ("out", 1)])?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=100)?;
+    let state = tempfile::tempdir()?;
+    let (mut child, stderr) = spawn_logged(&mut kafka_pipe(&bootstrap, "gone", state.path(), &[]))?;
+    let deadline = Instant::now() + RUN_LIMIT;
+    while end_offsets(&bootstrap, "out")?.values().sum::<i64>() < 100 {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            return Err("the first 100 records were not copied in time".into());
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    broker.delete_topic("out")?;
+    produce_integers(&bootstrap, "in", 101..=110)?;
+    let status = wait_bounded(&mut child, RUN_LIMIT);
+    if status.is_err() {
+        let _ = child.kill();
+    }
+    let stderr = stderr.join().map_err(|_| "stderr reader panicked")?;
+    assert_eq!(status?.code(), Some(1), "{stderr}");
+    let line = stderr.lines().last().ok_or("nothing on stderr")?.to_owned();
+    expect_contains(
+        &line,
+        "replayguard: error: the output of in[0]@100 was not delivered",
+    )?;
+    expect_contains(&line, "Message timed out")?;
+    expect_contains(&line, "check that the output topic exists")
+}

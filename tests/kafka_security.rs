@@ -193,3 +193,142 @@ fn a_principal_without_read_on_the_input_stops_at_once_with_status_1() -> TestRe
     }
     Ok(())
 }
+
+/// Before, the run ended on "Purged in queue" or "Fatal error" with
+/// nothing about the refusal behind it: an idempotent producer's id is
+/// refused to a principal that may write no topic, a fatal error of
+/// librdkafka's, and the outputs it purges say only that they were purged.
+#[test]
+fn a_principal_without_write_on_the_output_is_told_to_grant_it_and_then_copies_each_record_once()
+-> TestResult {
+    let broker = broker()?;
+    // Everything a copy needs but the right to write the output.
+    for acl in [
+        &["--operation", "READ", "--topic", "in"][..],
+        &["--operation", "READ", "--group", "intruders"],
+        &["--operation", "READ", "--topic", "out"],
+    ] {
+        let mut args = vec!["--add", "--allow-principal", "User:intruder"];
+        args.extend_from_slice(acl);
+        broker.acl(&args)?;
+    }
+    let state = tempfile::tempdir()?;
+    let path = state.path().display().to_string();
+    let args = [
+        "pipe",
+        "--group",
+        "intruders",
+        "--state",
+        &path,
+        "--input",
+        "in",
+        "--output",
+        "out",
+        "--stop-at-end",
+    ];
+    let out = run(&broker, &args, "intruder", "intruder-secret")?;
+    let line = error_line(&out);
+    println!("without WRITE: {line}");
+    assert_eq!(out.status.code(), Some(1), "{line}");
+    assert_eq!(line.lines().count(), 1, "more than one error line");
+    for needle in [
+        "the output producer failed for good",
+        "Cluster authorization failed",
+        "grant its principal WRITE on the output topic",
+    ] {
+        assert!(line.contains(needle), "no {needle:?} in: {line}");
+    }
+
+    broker.acl(&[
+        "--add",
+        "--allow-principal",
+        "User:intruder",
+        "--operation",
+        "WRITE",
+        "--topic",
+        "out",
+    ])?;
+    let out = run(&broker, &args, "intruder", "intruder-secret")?;
+    assert!(out.status.success(), "with WRITE: {}", error_line(&out));
+    let copied: Vec<u64> = broker
+        .console_read("out", false, Some(RECORDS), Duration::from_secs(15))?
+        .into_iter()
+        .map(|(_, v)| v.parse::<u64>())
+        .collect::<Result<_, _>>()?;
+    check_each_once(&copied, 1..=RECORDS)
+}
+
+/// As above for `consume` with a changelog, whose producer is the only
+/// one: the error names the refusal and the changelog, and once WRITE is
+/// granted the next run ships the identities; each record is printed
+/// once over both runs.
+#[test]
+fn consume_without_write_on_its_changelog_is_told_to_grant_it() -> TestResult {
+    let broker = broker()?;
+    for acl in [
+        &["--operation", "READ", "--topic", "in"][..],
+        &["--operation", "READ", "--group", "intruders"],
+        &["--operation", "CREATE", "--topic", "audit-changelog"],
+        &["--operation", "READ", "--topic", "audit-changelog"],
+        &[
+            "--operation",
+            "DescribeConfigs",
+            "--topic",
+            "audit-changelog",
+        ],
+    ] {
+        let mut args = vec!["--add", "--allow-principal", "User:intruder"];
+        args.extend_from_slice(acl);
+        broker.acl(&args)?;
+    }
+    let state = tempfile::tempdir()?;
+    let path = state.path().display().to_string();
+    let args = [
+        "consume",
+        "--group",
+        "intruders",
+        "--state",
+        &path,
+        "--topic",
+        "in",
+        "--changelog",
+        "audit-changelog",
+        "--stop-at-end",
+    ];
+    let first = run(&broker, &args, "intruder", "intruder-secret")?;
+    let line = error_line(&first);
+    println!("without WRITE: {line}");
+    println!("{}", String::from_utf8_lossy(&first.stderr));
+    assert_eq!(first.status.code(), Some(1), "{line}");
+    assert_eq!(line.lines().count(), 1, "more than one error line");
+    for needle in [
+        "changelog topic audit-changelog",
+        "its producer failed for good",
+        "Cluster authorization failed",
+        "grant this client's principal WRITE on the changelog topic",
+    ] {
+        assert!(line.contains(needle), "no {needle:?} in: {line}");
+    }
+
+    broker.acl(&[
+        "--add",
+        "--allow-principal",
+        "User:intruder",
+        "--operation",
+        "WRITE",
+        "--topic",
+        "audit-changelog",
+    ])?;
+    let second = run(&broker, &args, "intruder", "intruder-secret")?;
+    assert!(
+        second.status.success(),
+        "with WRITE: {}",
+        error_line(&second)
+    );
+    let printed: Vec<u64> = String::from_utf8(first.stdout)?
+        .lines()
+        .chain(String::from_utf8(second.stdout)?.lines())
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    check_each_once(&printed, 1..=RECORDS)
+}

@@ -192,6 +192,29 @@ impl Changelog {
         }
     }
 
+    /// What went wrong in writing the changelog: `what`, unless the
+    /// producer failed for good (a fatal error of librdkafka's), which then
+    /// fails every send, flush and delivery with a code that names no
+    /// cause; that error is named instead.
+    fn write_error(&self, partition: Option<i32>, what: String) -> Error {
+        let what = match self.producer.client().fatal_error() {
+            Some((code, reason)) => {
+                let grant = match code {
+                    // An idempotent producer's id is refused to a principal
+                    // that may write no topic.
+                    RDKafkaErrorCode::ClusterAuthorizationFailed
+                    | RDKafkaErrorCode::TopicAuthorizationFailed => {
+                        "; grant this client's principal WRITE on the changelog topic"
+                    }
+                    _ => "",
+                };
+                format!("its producer failed for good: {reason}{grant}")
+            }
+            None => what,
+        };
+        self.error(partition, None, what)
+    }
+
     /// Hands one record to the producer, waiting while its queue is full.
     fn send(&self, partition: i32, key: &[u8], value: Option<&[u8]>) -> Result<()> {
         let started = Instant::now();
@@ -218,7 +241,7 @@ impl Changelog {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Err((e, _)) => {
-                    return Err(self.error(Some(partition), None, format!("cannot produce: {e}")));
+                    return Err(self.write_error(Some(partition), format!("cannot produce: {e}")));
                 }
             }
         }
@@ -259,16 +282,16 @@ impl Changelog {
     /// changelog's end offsets.
     fn wait_acked(&self) -> Result<BTreeMap<i32, i64>> {
         self.producer.flush(self.timeout).map_err(|e| {
-            self.error(
-                None,
+            self.write_error(
                 None,
                 format!("records not acked within {:?}: {e}", self.timeout),
             )
         })?;
-        let a = self.producer.context().lock();
-        if let Some(f) = &a.failed {
-            return Err(self.error(None, None, format!("a record was not written: {f}")));
+        let failed = self.producer.context().lock().failed.clone();
+        if let Some(f) = failed {
+            return Err(self.write_error(None, format!("a record was not written: {f}")));
         }
+        let a = self.producer.context().lock();
         Ok(a.ends.clone())
     }
 

@@ -246,6 +246,7 @@ impl GuardedPipelineBuilder {
             DeliveryContext {
                 shared: shared.clone(),
                 brokers: brokers.clone(),
+                trouble: std::sync::Mutex::default(),
             },
             self.mode == Mode::Transactional,
             o.timeout,

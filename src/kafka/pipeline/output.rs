@@ -7,6 +7,7 @@ use rdkafka::client::ClientContext;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{DeliveryResult, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::ProducerContext;
+use rdkafka::types::RDKafkaErrorCode;
 
 use crate::error::Error;
 use crate::kafka::headers::{FINGERPRINT_HEADER, PART_HEADER, SOURCE_HEADER};
@@ -110,6 +111,11 @@ impl Ticket {
 pub struct DeliveryContext {
     pub(crate) shared: Arc<Mutex<Shared>>,
     pub(crate) brokers: String,
+    /// The producer's last client-wide error and librdkafka's text for it.
+    /// A fatal error reaches the error callback with its own code, the
+    /// fatal mark left out; the outputs it then purges fail with a code
+    /// that says only that they were purged ([`DeliveryContext::failed`]).
+    pub(crate) trouble: Mutex<Option<(KafkaError, String)>>,
 }
 
 impl DeliveryContext {
@@ -117,6 +123,24 @@ impl DeliveryContext {
         self.shared
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The error for an output of `input` the producer failed with `e`:
+    /// one purged or failed by a fatal error of the producer's names that
+    /// error (the last the error callback saw), with what to do about it.
+    fn failed(&self, input: String, e: &KafkaError) -> Error {
+        if matches!(
+            e.rdkafka_error_code(),
+            Some(RDKafkaErrorCode::PurgeQueue | RDKafkaErrorCode::Fatal)
+        ) && let Some((cause, reason)) = self
+            .trouble
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+        {
+            return Error::producer_failed(input, cause, reason);
+        }
+        Error::delivery(input, e.clone())
     }
 }
 
@@ -129,11 +153,15 @@ impl ClientContext for DeliveryContext {
                 brokers: self.brokers.clone(),
                 reason: format!("the producer's connection failed: {reason}"),
                 hint,
-                source: Box::new(error),
+                source: Box::new(error.clone()),
             });
         } else {
             tracing::debug!(error = %error, reason, "kafka client error; librdkafka retries it");
         }
+        *self
+            .trouble
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((error, reason.to_owned()));
     }
 }
 
@@ -164,7 +192,7 @@ impl ProducerContext for DeliveryContext {
                 }
             }
             Err((e, _)) => {
-                s.fail(Error::delivery(t.input(), e.clone()));
+                s.fail(self.failed(t.input(), e));
             }
         }
     }

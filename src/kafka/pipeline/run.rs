@@ -19,7 +19,7 @@ use futures::stream::{FuturesOrdered, StreamExt};
 use rdkafka::consumer::CommitMode;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
-use rdkafka::producer::BaseRecord;
+use rdkafka::producer::{BaseRecord, Producer};
 
 use super::output::{OutputRecord, Ticket};
 use super::{GuardedPipeline, PipelineStats};
@@ -283,9 +283,16 @@ impl GuardedPipeline {
                         tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                     Err((e, _)) => {
-                        return Err(self
-                            .core
-                            .stop(Error::delivery(format!("{topic}[{partition}]@{offset}"), e)));
+                        let input = format!("{topic}[{partition}]@{offset}");
+                        // A producer that failed for good refuses every
+                        // send: its fatal error is the cause.
+                        let e = match self.producer.client().fatal_error() {
+                            Some((code, reason)) => {
+                                Error::producer_failed(input, KafkaError::Global(code), reason)
+                            }
+                            _ => Error::delivery(input, e),
+                        };
+                        return Err(self.core.stop(e));
                     }
                 }
             }
