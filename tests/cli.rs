@@ -1322,6 +1322,20 @@ fn bad_arguments_are_usage_errors() -> TestResult {
     for (extra, says) in [
         (&["-X", "no.such.property=1"][..], "no.such.property"),
         (&["--checkpoint-interval", "2h"], "checkpoint interval"),
+        // librdkafka takes 0 as no delivery bound, under which an instance
+        // that lost its partitions could have outputs land at any time.
+        (
+            &["--delivery-timeout", "0s"],
+            "--delivery-timeout: the delivery timeout must be between 100ms and 1h",
+        ),
+        (
+            &["--delivery-timeout", "2h"],
+            "must be between 100ms and 1h",
+        ),
+        (
+            &["-X", "message.timeout.ms=0"],
+            "message.timeout.ms (or delivery.timeout.ms) must be between 100 and 3600000 ms, not 0",
+        ),
     ] {
         let out = run_bounded(
             replayguard().args(base).args(extra),

@@ -152,23 +152,52 @@ pub(crate) fn lease_length(consumer: &ClientConfig) -> Duration {
         .max(Duration::from_millis(500))
 }
 
+/// Bounds of the output producer's delivery timeout. librdkafka takes 0
+/// as no bound at all, under which an instance that lost its partitions
+/// could have outputs land at any later time, after its successor
+/// reconciled; past an hour, that successor would wait that long.
+const DELIVERY_BOUNDS: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(3600));
+
 /// The output producer's delivery bound: `message.timeout.ms` (or its alias
 /// `delivery.timeout.ms`) as the user set it, else `default`, which is then
 /// set. `request.timeout.ms` defaults to at most 5 s. Returns how long an
 /// output handed to librdkafka can still reach the broker: the delivery
 /// bound, the request timeout, and a second of librdkafka's timeout-scan
 /// granularity.
-pub(crate) fn bound_delivery(producer: &mut ClientConfig, default: Duration) -> Duration {
+///
+/// # Errors
+/// [`Error::Config`] for a delivery bound outside 100 ms to 1 h, 0 (no
+/// bound) among them.
+pub(crate) fn bound_delivery(producer: &mut ClientConfig, default: Duration) -> Result<Duration> {
+    let (lo, hi) = DELIVERY_BOUNDS;
     let delivery = match producer
         .get("message.timeout.ms")
         .or_else(|| producer.get("delivery.timeout.ms"))
     {
-        Some(_) => millis(producer, "message.timeout.ms", 0).max(millis(
-            producer,
-            "delivery.timeout.ms",
-            0,
-        )),
+        Some(_) => {
+            let set = millis(producer, "message.timeout.ms", 0).max(millis(
+                producer,
+                "delivery.timeout.ms",
+                0,
+            ));
+            if !(lo..=hi).contains(&set) {
+                return Err(Error::Config(format!(
+                    "the producer's message.timeout.ms (or delivery.timeout.ms) must be between {} and {} ms, not {}: it bounds how long an output of an instance that lost its partitions can still land, and so how long its successor waits; librdkafka takes 0 as no bound at all",
+                    lo.as_millis(),
+                    hi.as_millis(),
+                    set.as_millis()
+                )));
+            }
+            set
+        }
         None => {
+            if !(lo..=hi).contains(&default) {
+                return Err(Error::Config(
+                    "delivery_timeout must be between 100ms and 1h: it bounds how long an output of an instance that lost its partitions can still land, and so how long its successor waits"
+                        .into(),
+                ));
+            }
             producer.set("message.timeout.ms", default.as_millis().to_string());
             default
         }
@@ -183,7 +212,7 @@ pub(crate) fn bound_delivery(producer: &mut ClientConfig, default: Duration) -> 
             r
         }
     };
-    delivery + request + Duration::from_secs(1)
+    Ok(delivery + request + Duration::from_secs(1))
 }
 
 /// Whether a configuration uses the broker-side group protocol of KIP-848

@@ -195,7 +195,7 @@ pub struct PipeArgs {
     /// How long an output may take to reach the broker before the run
     /// stops with an error. It also bounds how long a new owner waits
     /// after an unclean handover (this, plus the producer's request
-    /// timeout, plus 1 s).
+    /// timeout, plus 1 s). Between 100ms and 1h.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub delivery_timeout: Duration,
 }

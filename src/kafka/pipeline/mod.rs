@@ -110,7 +110,9 @@ impl GuardedPipelineBuilder {
     /// and so how long a new owner that got no clean handover waits before
     /// it reconciles (this, plus the producer's `request.timeout.ms`, at
     /// most 5 s unless set, plus 1 s). An output not acked within it stops
-    /// the pipeline with [`Error::Delivery`].
+    /// the pipeline with [`Error::Delivery`]. Between 100 ms and 1 h, and so
+    /// must a `message.timeout.ms` the producer configuration sets
+    /// (librdkafka takes 0 as no bound): `build` refuses others.
     pub fn delivery_timeout(mut self, d: Duration) -> Self {
         self.delivery_timeout = d;
         self
@@ -148,24 +150,12 @@ impl GuardedPipelineBuilder {
         Ok(output)
     }
 
-    /// Completes the producer's configuration for this mode; returns how
-    /// long an output can stay in flight (zero when unbounded).
-    fn finish_producer_config(
-        &self,
-        cfg: &mut ClientConfig,
-        instance: &str,
-        fenced: bool,
-    ) -> Duration {
-        let in_flight = if fenced {
-            setup::bound_delivery(cfg, self.delivery_timeout)
-        } else {
-            Duration::ZERO
-        };
+    /// Completes the producer's configuration for this mode.
+    fn finish_producer_config(&self, cfg: &mut ClientConfig, instance: &str) {
         if self.mode == Mode::Transactional {
             cfg.set("transactional.id", format!("{instance}-tx"));
         }
         cfg.set("linger.ms", cfg.get("linger.ms").unwrap_or("5").to_owned());
-        in_flight
     }
 
     fn open(self) -> Result<GuardedPipeline> {
@@ -179,6 +169,14 @@ impl GuardedPipelineBuilder {
                 .clone()
                 .unwrap_or_else(|| setup::connection_config(&self.consumer)),
         )?;
+        let guarded = self.mode == Mode::Guarded;
+        let fenced = guarded && !setup::fault("no-fencing");
+        // How long an output can stay in flight (zero when unbounded).
+        let in_flight = if fenced {
+            setup::bound_delivery(&mut producer_cfg, self.delivery_timeout)?
+        } else {
+            Duration::ZERO
+        };
         let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         topics.push(&output);
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
@@ -215,9 +213,7 @@ impl GuardedPipelineBuilder {
         let instance = setup::instance_id(&self.state, &group, &self.inputs)?;
         let consumer_cfg =
             setup::guarded_consumer_config(&self.consumer, &instance, o.stop_at_end)?;
-        let guarded = self.mode == Mode::Guarded;
-        let fenced = guarded && !setup::fault("no-fencing");
-        let in_flight = self.finish_producer_config(&mut producer_cfg, &instance, fenced);
+        self.finish_producer_config(&mut producer_cfg, &instance);
         let lease = o
             .lease
             .unwrap_or_else(|| setup::lease_length(&consumer_cfg));
