@@ -1649,3 +1649,84 @@ fn pipe_stops_on_an_output_never_acknowledged_with_what_to_check() -> TestResult
     expect_contains(&line, "Message timed out")?;
     expect_contains(&line, "check that the output topic exists")
 }
+
+/// `--stop-at-end` ends on partitions that hold nothing it can read, where
+/// librdkafka has no position because it handed on no record: a log whose
+/// records retention deleted (a fresh group, and a restart whose position
+/// the deletion passed) and a reading reset to the end
+/// (`auto.offset.reset=latest`). Before, each of these runs waited for an
+/// end it compared with offset 0, until it was killed.
+#[test]
+fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 2), ("out", 2)])?;
+    let bootstrap = broker.bootstrap();
+    let delete_all = |topic: &str| -> TestResult {
+        for (p, end) in end_offsets(&bootstrap, topic)? {
+            broker.delete_records(topic, p, end)?;
+        }
+        Ok(())
+    };
+    let consume = |group: &str, state: &Path, extra: &[&str]| -> TestResult<Output> {
+        let mut c = replayguard();
+        c.arg("consume")
+            .args(["--brokers", &bootstrap, "--group", group, "--topic", "in"])
+            .args(["--stop-at-end", "--state"])
+            .arg(state)
+            .args(extra);
+        run_bounded(&mut c, RUN_LIMIT)
+    };
+    let dir = tempfile::tempdir()?;
+    produce_integers(&bootstrap, "in", 1..=100)?;
+    let copy = run_bounded(
+        &mut kafka_pipe(
+            &bootstrap,
+            "copy",
+            &dir.path().join("pipe"),
+            &["--stop-at-end"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&copy, "the first copy")?;
+    produce_integers(&bootstrap, "in", 101..=200)?;
+    delete_all("in")?;
+
+    let fresh = consume("fresh", &dir.path().join("fresh"), &[])?;
+    success(&fresh, "consume of an input deleted to its end")?;
+    if !fresh.stdout.is_empty() {
+        return Err(format!("printed {:?}", text(&fresh.stdout)).into());
+    }
+    let again = run_bounded(
+        &mut kafka_pipe(
+            &bootstrap,
+            "copy",
+            &dir.path().join("pipe"),
+            &["--stop-at-end"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&again, "the copy after the deletion")?;
+    expect_contains(&text(&again.stderr), "offset reset")?;
+
+    produce_integers(&bootstrap, "in", 201..=250)?;
+    let latest = consume(
+        "latest",
+        &dir.path().join("latest"),
+        &["-X", "auto.offset.reset=latest"],
+    )?;
+    success(&latest, "consume from the end")?;
+    if !latest.stdout.is_empty() {
+        return Err(format!("printed {:?}", text(&latest.stdout)).into());
+    }
+    let last = run_bounded(
+        &mut kafka_pipe(
+            &bootstrap,
+            "copy",
+            &dir.path().join("pipe"),
+            &["--stop-at-end"],
+        ),
+        RUN_LIMIT,
+    )?;
+    success(&last, "the copy of the records written after the deletion")?;
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&values, (1..=100).chain(201..=250))
+}

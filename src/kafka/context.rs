@@ -312,7 +312,12 @@ impl Core {
     /// handing on a record, so no record's offset reaches the watermark.
     /// The position counts only records already handed on, all of which
     /// the caller admitted before this call; no partition is at its end
-    /// while any is held.
+    /// while any is held. A partition short of its end by both is at its
+    /// end all the same when nothing is left it can read: its log starts
+    /// at its end (retention deleted its records), or its reading was
+    /// reset to the end (`auto.offset.reset=latest`) and nothing came
+    /// since; the log's start is asked, again in one request a leader,
+    /// only then.
     pub fn at_end(&self, consumer: &impl Consumer<GuardContext>, eof: i32) -> Result<bool> {
         let assigned = {
             let mut s = self.lock();
@@ -330,23 +335,40 @@ impl Core {
         let positions = consumer
             .position()
             .map_err(kafka("reading input positions"))?;
-        let ends = end_offsets(consumer, &assigned, self.timeout)
+        let ends = log_offsets(consumer, &assigned, Offset::End, self.timeout)
             .map_err(kafka("reading input watermarks"))?;
+        let mut short = Vec::new();
         for ((topic, p), next) in &assigned {
-            let end = ends.find_partition(topic, *p);
-            if let Some(Err(e)) = end.as_ref().map(|e| e.error()) {
-                return Err(Error::Kafka {
-                    operation: format!("reading the watermark of {topic}[{p}]"),
-                    source: e,
-                });
+            let hi = offset_of(&ends, topic, *p, "end")?;
+            let read = (*next).max(position_in(&positions, topic, *p));
+            if read.unwrap_or(0) < hi {
+                short.push(((topic.clone(), *p), read, hi));
             }
-            let Some(hi) = position_in(&ends, topic, *p) else {
-                return Err(Error::Stopped {
-                    reason: format!("the broker gave no end offset for input {topic}[{p}]"),
-                    after: None,
-                });
+        }
+        if short.is_empty() {
+            return Ok(true);
+        }
+        // Short of its end, a partition may still have nothing it can
+        // read: its log starts at its end (retention deleted every record),
+        // or its reading was reset to its end (`auto.offset.reset=latest`
+        // with no position) and nothing has come since. librdkafka has no
+        // position for a partition until it hands on a record from it.
+        let asked: Vec<(Partition, Option<i64>)> = short
+            .iter()
+            .map(|(tp, read, _)| (tp.clone(), *read))
+            .collect();
+        let starts = log_offsets(consumer, &asked, Offset::Beginning, self.timeout)
+            .map_err(kafka("reading input watermarks"))?;
+        for ((topic, p), read, hi) in short {
+            let low = offset_of(&starts, &topic, p, "start")?;
+            let from = match read {
+                Some(o) if o >= low => o,
+                // Below the log's start, or nowhere yet: reading starts
+                // where auto.offset.reset says.
+                _ if self.start_at_end => hi,
+                _ => low,
             };
-            if (*next).max(position_in(&positions, topic, *p)).unwrap_or(0) < hi {
+            if from < hi {
                 return Ok(false);
             }
         }
@@ -362,7 +384,7 @@ impl Core {
         let mut at = Vec::new();
         let positions = consumer.position().ok();
         let assigned = assigned_nexts(&self.lock());
-        let ends = end_offsets(consumer, &assigned, Duration::from_secs(2)).ok();
+        let ends = log_offsets(consumer, &assigned, Offset::End, Duration::from_secs(2)).ok();
         for ((topic, p), next) in assigned {
             let next = next.max(
                 positions
@@ -1121,18 +1143,36 @@ fn assigned_nexts(s: &Shared) -> Vec<(Partition, Option<i64>)> {
 
 /// The latest offset of each of `partitions` as `consumer`'s isolation
 /// level sees it (the high watermark, or the last stable offset under
-/// read_committed), in one request to each leader: one a partition would
-/// wait behind the consumer's own fetch each time (see [`Core::at_end`]).
-fn end_offsets(
+/// read_committed) with `which` [`Offset::End`], or the log's start with
+/// [`Offset::Beginning`]; in one request to each leader: one a partition
+/// would wait behind the consumer's own fetch each time (see
+/// [`Core::at_end`]).
+fn log_offsets(
     consumer: &impl Consumer<GuardContext>,
     partitions: &[(Partition, Option<i64>)],
+    which: Offset,
     timeout: Duration,
 ) -> rdkafka::error::KafkaResult<TopicPartitionList> {
-    let mut latest = TopicPartitionList::new();
+    let mut tpl = TopicPartitionList::new();
     for ((topic, p), _) in partitions {
-        latest.add_partition_offset(topic, *p, Offset::End)?;
+        tpl.add_partition_offset(topic, *p, which)?;
     }
-    consumer.offsets_for_times(latest, timeout)
+    consumer.offsets_for_times(tpl, timeout)
+}
+
+/// The offset of `topic[p]` in an answer of [`log_offsets`]; `what` names
+/// it (`end`, `start`) in the error when the broker gave none.
+fn offset_of(tpl: &TopicPartitionList, topic: &str, p: i32, what: &str) -> Result<i64> {
+    if let Some(Err(e)) = tpl.find_partition(topic, p).map(|e| e.error()) {
+        return Err(Error::Kafka {
+            operation: format!("reading the {what} offset of {topic}[{p}]"),
+            source: e,
+        });
+    }
+    position_in(tpl, topic, p).ok_or_else(|| Error::Stopped {
+        reason: format!("the broker gave no {what} offset for input {topic}[{p}]"),
+        after: None,
+    })
 }
 
 /// The offset of `topic`'s partition `p` in `tpl` (from

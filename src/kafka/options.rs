@@ -112,8 +112,9 @@ impl GuardOptions {
 
     /// End once every assigned partition is read to its end as a
     /// `read_committed` reader sees it (its high watermark, or the first
-    /// record of a transaction still open; past any transaction marker),
-    /// after a final checkpoint. Default false.
+    /// record of a transaction still open; past any transaction marker,
+    /// and at once where nothing is left to read, every record deleted by
+    /// retention), after a final checkpoint. Default false.
     pub fn stop_at_end(mut self, yes: bool) -> Self {
         self.stop_at_end = yes;
         self

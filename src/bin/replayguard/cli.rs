@@ -101,8 +101,9 @@ pub struct GuardArgs {
 
     /// Once every assigned partition is read to its end as a
     /// read_committed reader sees it (its high watermark, or the first
-    /// record of a transaction still open; past any transaction marker),
-    /// take a final checkpoint and exit 0.
+    /// record of a transaction still open; past any transaction marker,
+    /// and at once where nothing is left to read, every record deleted by
+    /// retention), take a final checkpoint and exit 0.
     #[arg(long)]
     pub stop_at_end: bool,
 
