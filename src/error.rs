@@ -158,6 +158,20 @@ pub enum Error {
         hint: &'static str,
     },
 
+    /// Acks of records whose partition left this consumer in a rebalance
+    /// after they were delivered (it may have come back since): they are
+    /// not recorded, and the partition's owner delivers them again. The
+    /// other records of the call were acked, and the consumer goes on.
+    #[error(
+        "{} record(s) not acked ({}): their partition left this consumer in a rebalance after they were delivered, and its owner delivers them again; undo what handling them did, or they are handled twice (the other records were acked)",
+        records.len(),
+        positions(records)
+    )]
+    Revoked {
+        /// The records: topic, partition and offset.
+        records: Vec<(String, i32, i64)>,
+    },
+
     /// A Kafka topic does not exist.
     #[error("topic {topic:?} does not exist on {brokers}; create it first or check the name")]
     UnknownTopic {
@@ -448,6 +462,7 @@ impl Error {
             Error::Delivery { .. } => "delivery",
             #[cfg(feature = "kafka")]
             Error::ProducerFailed { .. } => "producer_failed",
+            Error::Revoked { .. } => "revoked",
             Error::UnknownTopic { .. } => "unknown_topic",
             #[cfg(feature = "kafka")]
             Error::Connect { .. } => "connect",
@@ -466,6 +481,15 @@ impl Error {
             Error::Io(_) => "io",
         }
     }
+}
+
+/// Records as `topic[partition]@offset`, separated by commas.
+fn positions(records: &[(String, i32, i64)]) -> String {
+    records
+        .iter()
+        .map(|(t, p, o)| format!("{t}[{p}]@{o}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What to change before a restart, for an output the producer could not

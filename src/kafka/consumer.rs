@@ -31,6 +31,9 @@ const ADMIT_BATCH: usize = 256;
 pub struct GuardedRecord {
     message: OwnedMessage,
     fingerprint: Option<Fingerprint>,
+    /// The generation of its partition's track when it was admitted: an
+    /// ack under another is refused (see [`Error::Revoked`]).
+    generation: u64,
 }
 
 impl GuardedRecord {
@@ -273,6 +276,11 @@ impl GuardedConsumer {
                 return Ok(None);
             }
             if let Some(record) = ready {
+                // Not delivered once its partition left (in a rebalance
+                // since it was polled): its owner delivers it.
+                if !self.holds(&record) {
+                    continue;
+                }
                 // Not delivered once this consumer may have lost its
                 // partitions; the record stays unacked, so its next owner
                 // delivers it.
@@ -327,24 +335,51 @@ impl GuardedConsumer {
         self.admit(batch)
     }
 
-    fn admit(&self, batch: Vec<BorrowedMessage<'_>>) -> Result<()> {
+    fn admit(&self, mut batch: Vec<BorrowedMessage<'_>>) -> Result<()> {
+        // Records polled before a rebalance that took their partition away
+        // (its callback runs inside a poll) belong to its new owner.
+        {
+            let s = self.core.lock();
+            batch.retain(|m| {
+                s.assigned
+                    .iter()
+                    .any(|(t, p)| *p == m.partition() && t == m.topic())
+            });
+        }
         if batch.is_empty() {
             return Ok(());
         }
         let verdicts = self.core.admit_polled(&self.identity, &batch)?;
-        let mut ready = self
-            .ready
+        let admitted: Vec<_> = {
+            let s = self.core.lock();
+            batch
+                .into_iter()
+                .zip(verdicts)
+                .filter(|(_, (_, ok))| *ok)
+                .map(|(m, (fp, _))| {
+                    let generation = s.generation(m.topic(), m.partition()).unwrap_or(0);
+                    GuardedRecord {
+                        message: m.detach(),
+                        fingerprint: fp,
+                        generation,
+                    }
+                })
+                .collect()
+        };
+        self.ready
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (m, (fp, ok)) in batch.into_iter().zip(verdicts) {
-            if ok {
-                ready.push_back(GuardedRecord {
-                    message: m.detach(),
-                    fingerprint: fp,
-                });
-            }
-        }
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(admitted);
         Ok(())
+    }
+
+    /// Whether this consumer still holds the partition of `r` as it did
+    /// when `r` was admitted.
+    fn holds(&self, r: &GuardedRecord) -> bool {
+        self.core
+            .lock()
+            .generation(r.message.topic(), r.message.partition())
+            == Some(r.generation)
     }
 
     /// Marks a record handled. Its identity is recorded in the open epoch
@@ -361,9 +396,18 @@ impl GuardedConsumer {
     /// one checkpoint interval) are in this folder only, and the next
     /// owner delivers those records again.
     ///
+    /// A record whose partition left this consumer in a rebalance after
+    /// it was delivered (even if it came back since) is not recorded: its
+    /// position was committed before it when the partition left, so the
+    /// partition's owner delivers it again. `ack` says so with
+    /// [`Error::Revoked`], and the consumer goes on: an application that
+    /// can undo its handling (a database transaction not yet committed,
+    /// say) keeps each record handled once.
+    ///
     /// # Errors
     ///
-    /// A store write failure (which poisons the guard).
+    /// A store write failure (which poisons the guard); [`Error::Revoked`]
+    /// for a record whose partition left since it was delivered.
     pub fn ack(&self, r: &GuardedRecord) -> Result<()> {
         self.ack_many(std::slice::from_ref(r))
     }
@@ -372,12 +416,20 @@ impl GuardedConsumer {
     ///
     /// # Errors
     ///
-    /// A store write failure (which poisons the guard).
+    /// A store write failure (which poisons the guard); [`Error::Revoked`]
+    /// naming the records whose partition left since they were delivered,
+    /// after the others were acked.
     pub fn ack_many(&self, records: &[GuardedRecord]) -> Result<()> {
         let mut s = self.core.lock();
+        let mut moved = Vec::new();
         let mut done = || -> Result<()> {
             for r in records {
-                s.complete(r.message.topic(), r.message.partition(), r.message.offset())?;
+                let (topic, partition) = (r.message.topic(), r.message.partition());
+                if s.generation(topic, partition) != Some(r.generation) {
+                    moved.push((topic.to_owned(), partition, r.message.offset()));
+                    continue;
+                }
+                s.complete(topic, partition, r.message.offset())?;
                 s.counters.acked += 1;
             }
             match s.guard.as_mut() {
@@ -387,7 +439,12 @@ impl GuardedConsumer {
         };
         let r = done();
         drop(s);
-        r.map_err(|e| self.core.stop(e))
+        r.map_err(|e| self.core.stop(e))?;
+        if moved.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Revoked { records: moved })
+        }
     }
 
     /// Writes a checkpoint now: pending identities and the manifest, fsynced;

@@ -45,6 +45,10 @@ pub(crate) struct Track {
     /// The content identities of `inflight`: a resend that arrives before
     /// its first copy is handled is a duplicate too.
     pub inflight_fps: FxHashSet<Fingerprint>,
+    /// Which tenure of the partition this is: a track made after the
+    /// partition left (and perhaps came back) has a higher one, so that an
+    /// ack of a record delivered before is told apart.
+    pub generation: u64,
 }
 
 impl Track {
@@ -243,6 +247,8 @@ pub(crate) struct Shared {
     /// Scratch space of [`Shared::admit`]'s batched checks.
     probes: Vec<Probe>,
     verdicts: Vec<Verdict>,
+    /// The generation of the last track made ([`Track::generation`]).
+    generations: u64,
     /// Signalled when a run loop waiting for records (or for its next
     /// checkpoint) must look again: partitions were held, which send no
     /// records, and it learns when to release them; or a callback
@@ -281,6 +287,7 @@ impl Shared {
             probes: Vec::new(),
             wake: Default::default(),
             verdicts: Vec::new(),
+            generations: 0,
         }
     }
 
@@ -288,10 +295,29 @@ impl Shared {
         if !self.tracks.contains_key(topic) {
             self.tracks.insert(topic.to_owned(), FxHashMap::default());
         }
+        let generations = &mut self.generations;
         self.tracks
             .get_mut(topic)
-            .map(|m| m.entry(partition).or_default())
+            .map(|m| {
+                m.entry(partition).or_insert_with(|| {
+                    *generations += 1;
+                    Track {
+                        generation: *generations,
+                        ..Track::default()
+                    }
+                })
+            })
             .unwrap_or_else(|| unreachable!("inserted above"))
+    }
+
+    /// The generation of the partition's track, if it has one: records
+    /// delivered under another were delivered before the partition last
+    /// left this instance.
+    pub fn generation(&self, topic: &str, partition: i32) -> Option<u64> {
+        self.tracks
+            .get(topic)
+            .and_then(|m| m.get(&partition))
+            .map(|t| t.generation)
     }
 
     pub fn lane(&mut self, topic: &str, partition: i32) -> Option<LaneId> {

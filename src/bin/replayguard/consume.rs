@@ -73,8 +73,14 @@ pub async fn run(args: ConsumeArgs) -> Result<(), Failure> {
             }
             Err(e) => break End::Output(e),
         }
-        if let Err(e) = consumer.ack(&record) {
-            break End::Guard(e);
+        match consumer.ack(&record) {
+            Ok(()) => {}
+            // Printed, but its partition moved since: its owner prints it
+            // again, which the output cannot take back.
+            Err(e @ replayguard::Error::Revoked { .. }) => {
+                tracing::warn!(error = %e, "a printed record is printed again by its partition's owner");
+            }
+            Err(e) => break End::Guard(e),
         }
     };
     if matches!(end, End::Clean | End::Output(_)) {
