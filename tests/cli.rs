@@ -1676,17 +1676,20 @@ fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
         run_bounded(&mut c, RUN_LIMIT)
     };
     let dir = tempfile::tempdir()?;
+    let copy = || {
+        run_bounded(
+            &mut kafka_pipe(
+                &bootstrap,
+                "copy",
+                &dir.path().join("pipe"),
+                &["--stop-at-end"],
+            ),
+            RUN_LIMIT,
+        )
+    };
     produce_integers(&bootstrap, "in", 1..=100)?;
-    let copy = run_bounded(
-        &mut kafka_pipe(
-            &bootstrap,
-            "copy",
-            &dir.path().join("pipe"),
-            &["--stop-at-end"],
-        ),
-        RUN_LIMIT,
-    )?;
-    success(&copy, "the first copy")?;
+    let first = copy()?;
+    success(&first, "the first copy")?;
     produce_integers(&bootstrap, "in", 101..=200)?;
     delete_all("in")?;
 
@@ -1695,15 +1698,7 @@ fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
     if !fresh.stdout.is_empty() {
         return Err(format!("printed {:?}", text(&fresh.stdout)).into());
     }
-    let again = run_bounded(
-        &mut kafka_pipe(
-            &bootstrap,
-            "copy",
-            &dir.path().join("pipe"),
-            &["--stop-at-end"],
-        ),
-        RUN_LIMIT,
-    )?;
+    let again = copy()?;
     success(&again, "the copy after the deletion")?;
     expect_contains(&text(&again.stderr), "offset reset")?;
 
@@ -1717,15 +1712,7 @@ fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
     if !latest.stdout.is_empty() {
         return Err(format!("printed {:?}", text(&latest.stdout)).into());
     }
-    let last = run_bounded(
-        &mut kafka_pipe(
-            &bootstrap,
-            "copy",
-            &dir.path().join("pipe"),
-            &["--stop-at-end"],
-        ),
-        RUN_LIMIT,
-    )?;
+    let last = copy()?;
     success(&last, "the copy of the records written after the deletion")?;
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
     check_each_once(&values, (1..=100).chain(201..=250))

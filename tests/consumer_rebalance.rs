@@ -49,10 +49,9 @@ async fn handle(c: GuardedConsumer, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>)
     while !stop.load(Ordering::SeqCst) {
         let mut batch = Vec::new();
         while batch.len() < 50 {
-            let Ok(r) = tokio::time::timeout(Duration::from_millis(200), c.recv()).await else {
+            let Some(r) = take(&c, Duration::from_millis(200)).await? else {
                 break;
             };
-            let Some(r) = r? else { break };
             batch.push(r);
         }
         let mut values = BTreeMap::new();
@@ -77,6 +76,35 @@ async fn handle(c: GuardedConsumer, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>)
         log.handled.extend(values.into_values());
     }
     c.close(Duration::from_secs(30)).await?;
+    Ok(())
+}
+
+/// The next record of `c`, if one comes within `wait`.
+async fn take(
+    c: &GuardedConsumer,
+    wait: Duration,
+) -> TestResult<Option<replayguard::kafka::GuardedRecord>> {
+    Ok(match tokio::time::timeout(wait, c.recv()).await {
+        Ok(r) => r?,
+        Err(_) => None,
+    })
+}
+
+/// Takes the next record of `b` within `wait`, if any, acks it and notes
+/// where it was.
+async fn take_and_ack(
+    b: &GuardedConsumer,
+    wait: Duration,
+    noted: &mut Vec<(String, i32, i64)>,
+) -> TestResult {
+    if let Some(r) = take(b, wait).await? {
+        noted.push((
+            "events".to_owned(),
+            r.message().partition(),
+            r.message().offset(),
+        ));
+        b.ack(&r)?;
+    }
     Ok(())
 }
 
@@ -182,11 +210,7 @@ async fn on_kafka_an_ack_after_the_partition_moved_is_refused_and_its_owner_deli
         if Instant::now() >= deadline {
             return Err("A did not get records of both partitions".into());
         }
-        if let Ok(r) = tokio::time::timeout(Duration::from_millis(200), a.recv()).await
-            && let Some(r) = r?
-        {
-            held.push(r);
-        }
+        held.extend(take(&a, Duration::from_millis(200)).await?);
     }
     let b = consumer(&broker, &dir.path().join("b")).await?;
     let mut from_b = Vec::new();
@@ -201,21 +225,8 @@ async fn on_kafka_an_ack_after_the_partition_moved_is_refused_and_its_owner_deli
             )
             .into());
         }
-        if let Ok(r) = tokio::time::timeout(Duration::from_millis(100), a.recv()).await
-            && let Some(r) = r?
-        {
-            held.push(r);
-        }
-        if let Ok(r) = tokio::time::timeout(Duration::from_millis(100), b.recv()).await
-            && let Some(r) = r?
-        {
-            from_b.push((
-                "events".to_owned(),
-                r.message().partition(),
-                r.message().offset(),
-            ));
-            b.ack(&r)?;
-        }
+        held.extend(take(&a, Duration::from_millis(100)).await?);
+        take_and_ack(&b, Duration::from_millis(100), &mut from_b).await?;
     }
     let moved = b.assignment()[0].1;
     let expected: Vec<(String, i32, i64)> = held
@@ -239,16 +250,7 @@ async fn on_kafka_an_ack_after_the_partition_moved_is_refused_and_its_owner_deli
         if Instant::now() >= deadline {
             return Err(format!("B delivered {} of {}", from_b.len(), expected.len()).into());
         }
-        if let Ok(r) = tokio::time::timeout(Duration::from_millis(200), b.recv()).await
-            && let Some(r) = r?
-        {
-            from_b.push((
-                "events".to_owned(),
-                r.message().partition(),
-                r.message().offset(),
-            ));
-            b.ack(&r)?;
-        }
+        take_and_ack(&b, Duration::from_millis(200), &mut from_b).await?;
     }
     assert_eq!(
         &from_b[..expected.len()],
@@ -261,16 +263,10 @@ async fn on_kafka_an_ack_after_the_partition_moved_is_refused_and_its_owner_deli
     let mut again = Vec::new();
     let settle = Instant::now() + Duration::from_secs(10);
     while Instant::now() < settle {
-        if let Ok(r) = tokio::time::timeout(Duration::from_millis(200), a.recv()).await
-            && let Some(r) = r?
-        {
-            again.push((r.message().partition(), r.message().offset()));
-            a.ack(&r)?;
-        }
+        take_and_ack(&a, Duration::from_millis(200), &mut again).await?;
     }
-    let acked_by_b: Vec<(i32, i64)> = from_b.iter().map(|(_, p, o)| (*p, *o)).collect();
     assert!(
-        again.iter().all(|r| !acked_by_b.contains(r)),
+        again.iter().all(|r| !from_b.contains(r)),
         "A delivered records B had acked"
     );
     a.close(Duration::from_secs(30)).await?;

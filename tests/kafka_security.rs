@@ -51,6 +51,29 @@ fn run(broker: &KafkaBroker, args: &[&str], user: &str, password: &str) -> TestR
     run_bounded(&mut c, Duration::from_secs(120))
 }
 
+/// Lets `User:intruder` do each of `acls` (AclCommand's arguments after
+/// the principal: an operation and a resource).
+fn grant(broker: &KafkaBroker, acls: &[&[&str]]) -> TestResult {
+    for acl in acls {
+        let mut args = vec!["--add", "--allow-principal", "User:intruder"];
+        args.extend_from_slice(acl);
+        broker.acl(&args)?;
+    }
+    Ok(())
+}
+
+/// Checks that a run ended with status 1 and one error line holding each
+/// of `needles`.
+fn refused_with(out: &Output, needles: &[&str]) {
+    let line = error_line(out);
+    println!("refused: {line}");
+    assert_eq!(out.status.code(), Some(1), "{line}");
+    assert_eq!(line.lines().count(), 1, "more than one error line");
+    for needle in needles {
+        assert!(line.contains(needle), "no {needle:?} in: {line}");
+    }
+}
+
 fn error_line(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr)
         .lines()
@@ -151,15 +174,14 @@ fn a_principal_without_read_on_the_input_stops_at_once_with_status_1() -> TestRe
     // It may see the input and use its group and the output, but not read
     // the input: the metadata probe passes; the first fetch is refused, or
     // for `pipe` first the claim of the input's partitions, a commit.
-    for acl in [
-        &["--operation", "DESCRIBE", "--topic", "in"][..],
-        &["--operation", "READ", "--group", "intruders"],
-        &["--operation", "ALL", "--topic", "out"],
-    ] {
-        let mut args = vec!["--add", "--allow-principal", "User:intruder"];
-        args.extend_from_slice(acl);
-        broker.acl(&args)?;
-    }
+    grant(
+        &broker,
+        &[
+            &["--operation", "DESCRIBE", "--topic", "in"][..],
+            &["--operation", "READ", "--group", "intruders"],
+            &["--operation", "ALL", "--topic", "out"],
+        ],
+    )?;
     let state = tempfile::tempdir()?;
     for command in ["pipe", "consume"] {
         let started = Instant::now();
@@ -203,15 +225,14 @@ fn a_principal_without_write_on_the_output_is_told_to_grant_it_and_then_copies_e
 -> TestResult {
     let broker = broker()?;
     // Everything a copy needs but the right to write the output.
-    for acl in [
-        &["--operation", "READ", "--topic", "in"][..],
-        &["--operation", "READ", "--group", "intruders"],
-        &["--operation", "READ", "--topic", "out"],
-    ] {
-        let mut args = vec!["--add", "--allow-principal", "User:intruder"];
-        args.extend_from_slice(acl);
-        broker.acl(&args)?;
-    }
+    grant(
+        &broker,
+        &[
+            &["--operation", "READ", "--topic", "in"][..],
+            &["--operation", "READ", "--group", "intruders"],
+            &["--operation", "READ", "--topic", "out"],
+        ],
+    )?;
     let state = tempfile::tempdir()?;
     let path = state.path().display().to_string();
     let args = [
@@ -227,17 +248,14 @@ fn a_principal_without_write_on_the_output_is_told_to_grant_it_and_then_copies_e
         "--stop-at-end",
     ];
     let out = run(&broker, &args, "intruder", "intruder-secret")?;
-    let line = error_line(&out);
-    println!("without WRITE: {line}");
-    assert_eq!(out.status.code(), Some(1), "{line}");
-    assert_eq!(line.lines().count(), 1, "more than one error line");
-    for needle in [
-        "the output producer failed for good",
-        "Cluster authorization failed",
-        "grant its principal WRITE on the output topic",
-    ] {
-        assert!(line.contains(needle), "no {needle:?} in: {line}");
-    }
+    refused_with(
+        &out,
+        &[
+            "the output producer failed for good",
+            "Cluster authorization failed",
+            "grant its principal WRITE on the output topic",
+        ],
+    );
 
     broker.acl(&[
         "--add",
@@ -265,22 +283,21 @@ fn a_principal_without_write_on_the_output_is_told_to_grant_it_and_then_copies_e
 #[test]
 fn consume_without_write_on_its_changelog_is_told_to_grant_it() -> TestResult {
     let broker = broker()?;
-    for acl in [
-        &["--operation", "READ", "--topic", "in"][..],
-        &["--operation", "READ", "--group", "intruders"],
-        &["--operation", "CREATE", "--topic", "audit-changelog"],
-        &["--operation", "READ", "--topic", "audit-changelog"],
+    grant(
+        &broker,
         &[
-            "--operation",
-            "DescribeConfigs",
-            "--topic",
-            "audit-changelog",
+            &["--operation", "READ", "--topic", "in"][..],
+            &["--operation", "READ", "--group", "intruders"],
+            &["--operation", "CREATE", "--topic", "audit-changelog"],
+            &["--operation", "READ", "--topic", "audit-changelog"],
+            &[
+                "--operation",
+                "DescribeConfigs",
+                "--topic",
+                "audit-changelog",
+            ],
         ],
-    ] {
-        let mut args = vec!["--add", "--allow-principal", "User:intruder"];
-        args.extend_from_slice(acl);
-        broker.acl(&args)?;
-    }
+    )?;
     let state = tempfile::tempdir()?;
     let path = state.path().display().to_string();
     let args = [
@@ -296,19 +313,15 @@ fn consume_without_write_on_its_changelog_is_told_to_grant_it() -> TestResult {
         "--stop-at-end",
     ];
     let first = run(&broker, &args, "intruder", "intruder-secret")?;
-    let line = error_line(&first);
-    println!("without WRITE: {line}");
-    println!("{}", String::from_utf8_lossy(&first.stderr));
-    assert_eq!(first.status.code(), Some(1), "{line}");
-    assert_eq!(line.lines().count(), 1, "more than one error line");
-    for needle in [
-        "changelog topic audit-changelog",
-        "its producer failed for good",
-        "Cluster authorization failed",
-        "grant this client's principal WRITE on the changelog topic",
-    ] {
-        assert!(line.contains(needle), "no {needle:?} in: {line}");
-    }
+    refused_with(
+        &first,
+        &[
+            "changelog topic audit-changelog",
+            "its producer failed for good",
+            "Cluster authorization failed",
+            "grant this client's principal WRITE on the changelog topic",
+        ],
+    );
 
     broker.acl(&[
         "--add",
