@@ -245,6 +245,7 @@ async fn on_kafka_an_ack_after_the_partition_moved_is_refused_and_its_owner_deli
     }
     let kept = held.len() - expected.len();
     assert_eq!(a.stats().acked, kept as u64, "the other records are acked");
+    assert_eq!(a.stats().acks_refused, expected.len() as u64);
     // B delivers the refused records: all of its partition from A's first.
     while from_b.len() < expected.len() {
         if Instant::now() >= deadline {

@@ -63,6 +63,9 @@ pub struct ConsumerStats {
     pub delivered: u64,
     /// Records the application acked.
     pub acked: u64,
+    /// Acks refused ([`Error::Revoked`]): the record's partition left this
+    /// consumer after it was delivered, and its owner delivers it again.
+    pub acks_refused: u64,
     /// Checkpoints completed.
     pub checkpoints: u64,
     /// The engine's snapshot.
@@ -438,6 +441,10 @@ impl GuardedConsumer {
             }
         };
         let r = done();
+        if !moved.is_empty() {
+            s.counters.acks_refused += moved.len() as u64;
+            s.meters.acks_refused.increment(moved.len() as u64);
+        }
         drop(s);
         r.map_err(|e| self.core.stop(e))?;
         if moved.is_empty() {
@@ -534,6 +541,7 @@ impl GuardedConsumer {
             duplicates: s.counters.duplicates,
             delivered: s.counters.delivered,
             acked: s.counters.acked,
+            acks_refused: s.counters.acks_refused,
             checkpoints: s.counters.checkpoints,
             guard: s.guard_stats(),
             lag: s.lag(),

@@ -131,6 +131,9 @@ pub(crate) struct Counters {
     pub delivered: u64,
     /// Records the application acked (a guarded consumer).
     pub acked: u64,
+    /// Acks refused: the record's partition left since it was delivered
+    /// (a guarded consumer).
+    pub acks_refused: u64,
     /// Outputs acked by the broker (a pipeline).
     pub outputs: u64,
     pub checkpoints: u64,

@@ -22,7 +22,8 @@ use metrics::{
 /// `content`), `replayguard_outputs_total`,
 /// `replayguard_checkpoints_total`,
 /// `replayguard_reconciled_identities_total`,
-/// `replayguard_claims_refused_total`. Gauges:
+/// `replayguard_claims_refused_total`, `replayguard_acks_refused_total`.
+/// Gauges:
 /// `replayguard_consumer_lag` (labels `topic`, `partition`),
 /// `replayguard_assigned_partitions`, `replayguard_held_partitions`,
 /// `replayguard_live_epochs`, `replayguard_live_fingerprints`,
@@ -123,6 +124,11 @@ pub fn describe_metrics() {
         "Claims of taken partitions (a commit before their first output) the broker refused: each keeps its partitions paused, with nothing written for them, until a later claim is taken (or the pipeline stops, refused for the timeout)."
     );
     describe_counter!(
+        "replayguard_acks_refused_total",
+        Unit::Count,
+        "Acks a guarded consumer refused because the record's partition left it in a rebalance after the record was delivered: the partition's owner delivers the record again (Error::Revoked)."
+    );
+    describe_counter!(
         "replayguard_disk_hits_total",
         Unit::Count,
         "Of those, the ones that found a live duplicate."
@@ -211,6 +217,7 @@ pub(crate) struct Meters {
     pub checkpoints: Counter,
     pub reconciled: Counter,
     pub claims_refused: Counter,
+    pub acks_refused: Counter,
     pub disk_reads: Counter,
     pub disk_hits: Counter,
     pub assigned_partitions: Gauge,
@@ -277,6 +284,7 @@ impl Meters {
             checkpoints: counter("replayguard_checkpoints_total", labels.clone()),
             reconciled: counter("replayguard_reconciled_identities_total", labels.clone()),
             claims_refused: counter("replayguard_claims_refused_total", labels.clone()),
+            acks_refused: counter("replayguard_acks_refused_total", labels.clone()),
             disk_reads: counter("replayguard_disk_reads_total", labels.clone()),
             disk_hits: counter("replayguard_disk_hits_total", labels.clone()),
             assigned_partitions: gauge("replayguard_assigned_partitions"),
