@@ -1336,6 +1336,16 @@ fn bad_arguments_are_usage_errors() -> TestResult {
             &["-X", "message.timeout.ms=0"],
             "message.timeout.ms (or delivery.timeout.ms) must be between 100 and 3600000 ms, not 0",
         ),
+        // Rules between two properties, which librdkafka checks only when
+        // it makes the client.
+        (
+            &["-X", "max.in.flight=10"],
+            "the output producer's configuration is refused by librdkafka: `max.in.flight` must be set <= 5",
+        ),
+        (
+            &["-X", "fetch.max.bytes=100"],
+            "the consumer's configuration is refused by librdkafka: `fetch.max.bytes` must be >= `message.max.bytes`",
+        ),
     ] {
         let out = run_bounded(
             replayguard().args(base).args(extra),
@@ -1360,6 +1370,26 @@ fn bad_arguments_are_usage_errors() -> TestResult {
         Duration::from_secs(10),
     )?;
     usage_error(&out, "--format")?;
+    let out = run_bounded(
+        replayguard().args([
+            "consume",
+            "--brokers",
+            "127.0.0.1:1",
+            "--group",
+            "g",
+            "--topic",
+            "t",
+            "--state",
+            state,
+            "-X",
+            "fetch.max.bytes=100",
+        ]),
+        Duration::from_secs(10),
+    )?;
+    expect_contains(
+        &one_error_line(&out, 2)?,
+        "the consumer's configuration is refused by librdkafka",
+    )?;
     if Path::new(state).exists() {
         return Err("a usage error created the state folder".into());
     }

@@ -215,6 +215,40 @@ pub(crate) fn bound_delivery(producer: &mut ClientConfig, default: Duration) -> 
     Ok(delivery + request + Duration::from_secs(1))
 }
 
+/// Checks a client's configuration as librdkafka does when it makes the
+/// client, without connecting anywhere. Some of its rules span several
+/// properties (under idempotence `max.in.flight` at most 5 and `retries`
+/// at least 1; `fetch.max.bytes` at least `message.max.bytes`; no
+/// `session.timeout.ms` with `group.protocol=consumer`), which setting a
+/// property alone does not check; made later, the client would be refused
+/// only after the state folder was opened. `role` names the client in the
+/// error.
+///
+/// # Errors
+/// [`Error::Config`] with librdkafka's reason.
+pub(crate) fn check_client_config<C: rdkafka::config::FromClientConfig>(
+    cfg: &ClientConfig,
+    role: &str,
+) -> Result<()> {
+    let mut probe = cfg.clone();
+    probe
+        .remove("bootstrap.servers")
+        .remove("metadata.broker.list")
+        .set_log_level(RDKafkaLogLevel::Error);
+    match probe.create::<C>() {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let why = match e {
+                KafkaError::ClientCreation(why) => why,
+                e => e.to_string(),
+            };
+            Err(Error::Config(format!(
+                "the {role}'s configuration is refused by librdkafka: {why}"
+            )))
+        }
+    }
+}
+
 /// Whether a configuration uses the broker-side group protocol of KIP-848
 /// (`group.protocol=consumer`) rather than the classic one.
 pub(crate) fn uses_consumer_protocol(cfg: &ClientConfig) -> bool {

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::producer::{Producer, ThreadedProducer};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::producer::{BaseProducer, Producer, ThreadedProducer};
 
 use super::context::{Core, GuardContext};
 use super::lease::{Lease, Watchdog};
@@ -177,6 +177,11 @@ impl GuardedPipelineBuilder {
         } else {
             Duration::ZERO
         };
+        setup::check_client_config::<BaseProducer>(&producer_cfg, "output producer")?;
+        setup::check_client_config::<BaseConsumer>(
+            &setup::guarded_consumer_config(&self.consumer, "probe", o.stop_at_end)?,
+            "consumer",
+        )?;
         let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         topics.push(&output);
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
