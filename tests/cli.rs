@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use replayguard::kafka::{FINGERPRINT_HEADER, SOURCE_HEADER, SourcePosition};
 use replayguard_testkit::{
-    Ends, MockBroker, NewRecord, PyClient, TestProducer, TestResult, check_each_once, end_offsets,
-    free_port, integers, produce, produce_integers, read_topic, run_bounded, send_signal,
-    wait_bounded,
+    Ends, MockBroker, NewRecord, PyClient, TestProducer, TestResult, check_each_once,
+    committed_offsets, end_offsets, free_port, integers, produce, produce_integers, read_topic,
+    run_bounded, send_signal, wait_bounded,
 };
 
 /// The mock's first group join takes about 3 s; a run to the end of a small
@@ -1678,6 +1678,173 @@ fn pipe_stops_on_an_output_never_acknowledged_with_what_to_check() -> TestResult
     )?;
     expect_contains(&line, "Message timed out")?;
     expect_contains(&line, "check that the output topic exists")
+}
+
+/// Waits until `check` holds, asking every half second, `limit` at most.
+fn wait_until(
+    what: &str,
+    limit: Duration,
+    mut check: impl FnMut() -> TestResult<bool>,
+) -> TestResult {
+    let start = Instant::now();
+    while !check()? {
+        if start.elapsed() > limit {
+            return Err(format!("not within {limit:?}: {what}").into());
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
+    Ok(())
+}
+
+/// An instance with `--stop-at-end` to which its group gives no partition
+/// (more members than partitions), once the group has read the input to
+/// its end, has nothing to read: it ends, saying why, while the member
+/// that owns the partition runs on. Before, no end event came for it, and
+/// it ran until it was killed. An empty assignment alone does not end it:
+/// a cooperative rebalance gives a joining member nothing in its first
+/// round, and partitions in its second.
+#[test]
+fn stop_at_end_ends_an_instance_its_group_gives_no_partition() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start(&[
+        ("in", 1),
+        ("out", 1),
+        ("wide", 4),
+        ("wide-out", 4),
+    ])?;
+    let bootstrap = broker.bootstrap();
+    produce_integers(&bootstrap, "in", 1..=100)?;
+    let dir = tempfile::tempdir()?;
+    let (mut copier, copier_log) = spawn_logged(&mut kafka_pipe(
+        &bootstrap,
+        "copy",
+        &dir.path().join("copier"),
+        &[],
+    ))?;
+    let (mut reader, reader_log) = spawn_logged(
+        replayguard()
+            .arg("consume")
+            .args([
+                "--brokers",
+                &bootstrap,
+                "--group",
+                "readers",
+                "--topic",
+                "in",
+            ])
+            .args(["--checkpoint-interval", "1s", "--state"])
+            .arg(dir.path().join("reader")),
+    )?;
+    // Each owns the partition once it has handled the records.
+    let owned = (|| -> TestResult {
+        wait_until("the copier copied the input", RUN_LIMIT, || {
+            Ok(end_offsets(&bootstrap, "out")?.values().sum::<i64>() >= 100)
+        })?;
+        wait_until("the reader committed its position", RUN_LIMIT, || {
+            let committed = committed_offsets(&bootstrap, "in", "readers", PyClient::Confluent)?;
+            Ok(committed.values().flatten().sum::<i64>() >= 100)
+        })
+    })();
+    let idle_pipe = owned.and_then(|()| {
+        run_bounded(
+            &mut kafka_pipe(
+                &bootstrap,
+                "copy",
+                &dir.path().join("idle-pipe"),
+                &["--stop-at-end"],
+            ),
+            RUN_LIMIT,
+        )
+    });
+    let idle_reader = idle_pipe.as_ref().map_err(|e| e.to_string()).and_then(|_| {
+        run_bounded(
+            replayguard()
+                .arg("consume")
+                .args([
+                    "--brokers",
+                    &bootstrap,
+                    "--group",
+                    "readers",
+                    "--topic",
+                    "in",
+                ])
+                .args(["--stop-at-end", "--state"])
+                .arg(dir.path().join("idle-reader")),
+            RUN_LIMIT,
+        )
+        .map_err(|e| e.to_string())
+    });
+    produce_integers(&bootstrap, "in", 101..=150)?;
+    wait_until(
+        "the copier copied the records written after",
+        RUN_LIMIT,
+        || Ok(end_offsets(&bootstrap, "out")?.values().sum::<i64>() >= 150),
+    )?;
+    let (copier_status, copier_stderr) = terminate(&mut copier, copier_log)?;
+    let (reader_status, reader_stderr) = terminate(&mut reader, reader_log)?;
+    let idle_pipe = idle_pipe?;
+    let idle_reader = idle_reader?;
+    success(&idle_pipe, "a pipe given no partition")?;
+    expect_contains(
+        &text(&idle_pipe.stderr),
+        "no input partition is assigned to this instance",
+    )?;
+    success(&idle_reader, "a consume given no partition")?;
+    expect_contains(
+        &text(&idle_reader.stderr),
+        "no input partition is assigned to this consumer",
+    )?;
+    if !idle_reader.stdout.is_empty() {
+        return Err(format!("the idle reader printed {:?}", text(&idle_reader.stdout)).into());
+    }
+    for (status, stderr, who) in [
+        (copier_status, copier_stderr, "copier"),
+        (reader_status, reader_stderr, "reader"),
+    ] {
+        if !status?.success() {
+            return Err(format!("the {who} did not exit 0 on SIGTERM: {stderr}").into());
+        }
+    }
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&values, 1..=150)?;
+
+    // A member that has copied the input but committed nothing (its
+    // checkpoints an hour apart): a second one joining is given nothing in
+    // the first round, and two partitions in the second, which it reads.
+    produce_integers(&bootstrap, "wide", 1..=400)?;
+    let wide = |state: &str, extra: &[&str]| {
+        let mut c = replayguard();
+        c.arg("pipe")
+            .args(["--brokers", &bootstrap, "--group", "wide"])
+            .args(["--input", "wide", "--output", "wide-out", "--state"])
+            .arg(dir.path().join(state))
+            .args(extra);
+        c
+    };
+    let (mut first, first_log) =
+        spawn_logged(&mut wide("first", &["--checkpoint-interval", "1h"]))?;
+    let copied = wait_until("the first member copied the input", RUN_LIMIT, || {
+        Ok(end_offsets(&bootstrap, "wide-out")?.values().sum::<i64>() >= 400)
+    });
+    let second =
+        copied.and_then(|()| run_bounded(&mut wide("second", &["--stop-at-end"]), RUN_LIMIT));
+    let (first_status, first_stderr) = terminate(&mut first, first_log)?;
+    let second = second?;
+    success(
+        &second,
+        "a member joining a group whose input is not committed",
+    )?;
+    if text(&second.stderr).contains("no input partition is assigned") {
+        return Err(format!(
+            "the joining member ended with nothing assigned: {}",
+            text(&second.stderr)
+        )
+        .into());
+    }
+    if !first_status?.success() {
+        return Err(format!("the first member did not exit 0 on SIGTERM: {first_stderr}").into());
+    }
+    let values = integers(&read_topic(&bootstrap, "wide-out", PyClient::Confluent)?)?;
+    check_each_once(&values, 1..=400)
 }
 
 /// `--stop-at-end` ends on partitions that hold nothing it can read, where

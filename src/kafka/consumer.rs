@@ -282,6 +282,12 @@ impl GuardedConsumer {
             if ready.is_none() && self.ended.swap(false, Ordering::Relaxed) {
                 return Ok(None);
             }
+            if ready.is_none() && self.stop_at_end && self.core.group_at_end(&*self.consumer) {
+                tracing::warn!(
+                    "no input partition is assigned to this consumer (the group has more members than partitions), and its group has read the input to its end: it is at its end"
+                );
+                return Ok(None);
+            }
             if let Some(record) = ready {
                 // Not delivered once its partition left (in a rebalance
                 // since it was polled): its owner delivers it.

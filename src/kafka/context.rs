@@ -297,6 +297,81 @@ impl Core {
         self.lock().assigned.iter().cloned().collect()
     }
 
+    /// With `stop_at_end` and no partition assigned to this instance since
+    /// the last rebalance: whether its group has read every partition of
+    /// the subscribed topics to its end, its committed offset at the log's
+    /// end (or the log empty), so that nothing is left this instance could
+    /// be given to read. Reported once per such rebalance. No end event
+    /// comes for partitions not assigned; and an empty assignment alone
+    /// does not say it, since a cooperative rebalance assigns nothing to a
+    /// joining member in its first round and moves partitions to it in the
+    /// second.
+    ///
+    /// A failure to ask the broker is logged and taken as not at the end:
+    /// the next checkpoint asks again.
+    pub fn group_at_end(&self, consumer: &impl Consumer<GuardContext>) -> bool {
+        {
+            let s = self.lock();
+            if !s.assigned_nothing || !s.assigned.is_empty() {
+                return false;
+            }
+        }
+        match self.group_read_to_end(consumer) {
+            Ok(true) => {
+                let mut s = self.lock();
+                // Unless a rebalance assigned something meanwhile.
+                std::mem::take(&mut s.assigned_nothing) && s.assigned.is_empty()
+            }
+            Ok(false) => false,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the group's committed offsets");
+                false
+            }
+        }
+    }
+
+    fn group_read_to_end(&self, consumer: &impl Consumer<GuardContext>) -> Result<bool> {
+        let topics = consumer
+            .subscription()
+            .map_err(kafka("reading the subscription"))?;
+        let mut all: Vec<(Partition, Option<i64>)> = Vec::new();
+        for e in topics.elements() {
+            let md = consumer
+                .fetch_metadata(Some(e.topic()), self.timeout)
+                .map_err(kafka("reading the input's metadata"))?;
+            for t in md.topics().iter().filter(|t| t.name() == e.topic()) {
+                all.extend(
+                    t.partitions()
+                        .iter()
+                        .map(|p| ((t.name().to_owned(), p.id()), None)),
+                );
+            }
+        }
+        if all.is_empty() {
+            return Ok(false);
+        }
+        let mut asked = TopicPartitionList::new();
+        for ((topic, p), _) in &all {
+            asked.add_partition(topic, *p);
+        }
+        let committed = consumer
+            .committed_offsets(asked, self.timeout)
+            .map_err(kafka("reading the group's committed offsets"))?;
+        let ends = log_offsets(consumer, &all, Offset::End, self.timeout)
+            .map_err(kafka("reading input watermarks"))?;
+        let starts = log_offsets(consumer, &all, Offset::Beginning, self.timeout)
+            .map_err(kafka("reading input watermarks"))?;
+        for ((topic, p), _) in &all {
+            let hi = offset_of(&ends, topic, *p, "end")?;
+            let low = offset_of(&starts, topic, *p, "start")?;
+            let read = position_in(&committed, topic, *p).unwrap_or(0);
+            if read.max(low) < hi {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Notes that partition `eof` reached its end, and tells whether every
     /// assigned partition was read to its high watermark. The watermarks
     /// are read only once every assigned partition has reported its end,
@@ -1215,6 +1290,14 @@ impl ConsumerContext for GuardContext {
                         s.assigned.clear();
                     }
                     s.assigned.extend(partitions(tpl));
+                    // A rebalance that gave this instance nothing (more
+                    // instances than partitions, or the first of a
+                    // cooperative rebalance's two rounds): no end event
+                    // comes, so a run loop that stops at the end looks.
+                    s.assigned_nothing = s.assigned.is_empty();
+                    if s.assigned_nothing {
+                        s.wake.notify_one();
+                    }
                 }
                 assigned.and_then(|()| match self.core.held_list() {
                     Some(held) => consumer.pause(&held),

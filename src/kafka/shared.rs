@@ -240,6 +240,10 @@ pub(crate) struct Shared {
     /// applied them (kept here rather than asked of librdkafka there: see
     /// `GuardContext::rebalance`).
     pub assigned: BTreeSet<Partition>,
+    /// Whether the last rebalance left this instance no partition at all
+    /// (until a consumer with `stop_at_end` reports the end it implies,
+    /// see `Core::group_at_end`).
+    pub assigned_nothing: bool,
     /// High watermark of each assigned partition, and a position to count
     /// lag from until the guard has one, from librdkafka's last
     /// statistics; empty without them.
@@ -283,6 +287,7 @@ impl Shared {
             aborted: false,
             partial: FxHashMap::default(),
             at_eof: FxHashSet::default(),
+            assigned_nothing: false,
             held: None,
             assigned: BTreeSet::new(),
             watermarks: BTreeMap::new(),

@@ -103,7 +103,8 @@ pub struct GuardArgs {
     /// read_committed reader sees it (its high watermark, or the first
     /// record of a transaction still open; past any transaction marker,
     /// and at once where nothing is left to read, every record deleted by
-    /// retention), take a final checkpoint and exit 0.
+    /// retention), take a final checkpoint and exit 0. An instance its
+    /// group gives no partition exits 0 at once, with a warning.
     #[arg(long)]
     pub stop_at_end: bool,
 

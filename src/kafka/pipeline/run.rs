@@ -139,6 +139,12 @@ impl GuardedPipeline {
         let wake = self.core.lock().wake.clone();
         loop {
             self.check_failure()?;
+            if self.stop_at_end && ending == Ending::No && self.core.group_at_end(&*self.consumer) {
+                tracing::warn!(
+                    "no input partition is assigned to this instance (the group has more members than partitions), and its group has read the input to its end: it stops"
+                );
+                ending = Ending::End;
+            }
             while work.len() < concurrency
                 && ending != Ending::Stop
                 && let Some((input, m)) = queue.pop_front()
