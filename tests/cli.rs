@@ -1807,6 +1807,45 @@ fn stop_at_end_ends_an_instance_its_group_gives_no_partition() -> TestResult {
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
     check_each_once(&values, 1..=150)?;
 
+    // Under the broker-side group protocol librdkafka reports no empty
+    // assignment; the group's progress is asked all the same.
+    let kip848 = |state: &str, extra: &[&str]| {
+        let mut c = replayguard();
+        c.arg("consume")
+            .args([
+                "--brokers",
+                &bootstrap,
+                "--group",
+                "kip848",
+                "--topic",
+                "in",
+            ])
+            .args(["-X", "group.protocol=consumer", "--state"])
+            .arg(dir.path().join(state))
+            .args(extra);
+        c
+    };
+    let (mut owner, owner_log) =
+        spawn_logged(&mut kip848("owner", &["--checkpoint-interval", "1s"]))?;
+    let idle = wait_until("the owner committed its position", RUN_LIMIT, || {
+        let committed = committed_offsets(&bootstrap, "in", "kip848", PyClient::Confluent)?;
+        Ok(committed.values().flatten().sum::<i64>() >= 150)
+    })
+    .and_then(|()| run_bounded(&mut kip848("idle", &["--stop-at-end"]), RUN_LIMIT));
+    let (owner_status, owner_stderr) = terminate(&mut owner, owner_log)?;
+    let idle = idle?;
+    success(
+        &idle,
+        "a consume given no partition under group.protocol=consumer",
+    )?;
+    expect_contains(
+        &text(&idle.stderr),
+        "no input partition is assigned to this consumer",
+    )?;
+    if !owner_status?.success() {
+        return Err(format!("the owner did not exit 0 on SIGTERM: {owner_stderr}").into());
+    }
+
     // A member that has copied the input but committed nothing (its
     // checkpoints an hour apart): a second one joining is given nothing in
     // the first round, and two partitions in the second, which it reads.

@@ -297,34 +297,44 @@ impl Core {
         self.lock().assigned.iter().cloned().collect()
     }
 
-    /// With `stop_at_end` and no partition assigned to this instance since
-    /// the last rebalance: whether its group has read every partition of
-    /// the subscribed topics to its end, its committed offset at the log's
-    /// end (or the log empty), so that nothing is left this instance could
-    /// be given to read. Reported once per such rebalance. No end event
-    /// comes for partitions not assigned; and an empty assignment alone
-    /// does not say it, since a cooperative rebalance assigns nothing to a
-    /// joining member in its first round and moves partitions to it in the
-    /// second.
+    /// With `stop_at_end` and no partition assigned to this instance:
+    /// whether its group has read every partition of the subscribed topics
+    /// to its end (its committed offset at the log's end, or the log
+    /// empty), so that nothing is left this instance could be given to
+    /// read. No end event comes for partitions not assigned, and an empty
+    /// assignment alone does not say it: a cooperative rebalance assigns
+    /// nothing to a joining member in its first round and moves partitions
+    /// to it in the second; under `group.protocol=consumer` librdkafka
+    /// reports no empty assignment at all.
     ///
-    /// A failure to ask the broker is logged and taken as not at the end:
-    /// the next checkpoint asks again.
+    /// Asked once a rebalance assigned (nothing included), or 5 s after
+    /// the consumer was made (librdkafka reports no empty assignment under
+    /// `group.protocol=consumer`); at most once a second; and reported once
+    /// until a rebalance assigns again. A failure to ask the broker is
+    /// logged at debug level and taken as not at the end.
     pub fn group_at_end(&self, consumer: &impl Consumer<GuardContext>) -> bool {
         {
-            let s = self.lock();
-            if !s.assigned_nothing || !s.assigned.is_empty() {
+            let mut s = self.lock();
+            if !s.assigned.is_empty()
+                || (!s.rebalanced && s.made.elapsed() < Duration::from_secs(5))
+                || s.group_end_reported
+                || s.group_checked
+                    .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            {
                 return false;
             }
+            s.group_checked = Some(Instant::now());
         }
         match self.group_read_to_end(consumer) {
             Ok(true) => {
                 let mut s = self.lock();
                 // Unless a rebalance assigned something meanwhile.
-                std::mem::take(&mut s.assigned_nothing) && s.assigned.is_empty()
+                s.group_end_reported = s.assigned.is_empty();
+                s.group_end_reported
             }
             Ok(false) => false,
             Err(e) => {
-                tracing::debug!(error = %e, "reading the group's committed offsets");
+                tracing::debug!(error = %e, "asking the group's progress failed");
                 false
             }
         }
@@ -1290,12 +1300,15 @@ impl ConsumerContext for GuardContext {
                         s.assigned.clear();
                     }
                     s.assigned.extend(partitions(tpl));
+                    s.group_checked = None;
+                    s.group_end_reported = false;
+                    s.rebalanced = true;
                     // A rebalance that gave this instance nothing (more
                     // instances than partitions, or the first of a
                     // cooperative rebalance's two rounds): no end event
-                    // comes, so a run loop that stops at the end looks.
-                    s.assigned_nothing = s.assigned.is_empty();
-                    if s.assigned_nothing {
+                    // comes, so a run loop that stops at the end asks the
+                    // group's progress now.
+                    if s.assigned.is_empty() {
                         s.wake.notify_one();
                     }
                 }

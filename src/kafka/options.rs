@@ -114,11 +114,11 @@ impl GuardOptions {
     /// `read_committed` reader sees it (its high watermark, or the first
     /// record of a transaction still open; past any transaction marker,
     /// and at once where nothing is left to read, every record deleted by
-    /// retention), after a final checkpoint. An instance to which a
-    /// rebalance gives no partition at all (a group with more members than
-    /// partitions) ends too, with a warning: it has nothing to read. Under
-    /// `group.protocol=consumer` librdkafka reports no such rebalance, and
-    /// that instance runs on. Default false.
+    /// retention), after a final checkpoint. An instance to which its group
+    /// gives no partition at all (more members than partitions) ends too,
+    /// with a warning, once the group's committed offsets reach the end of
+    /// every input partition: nothing is left it could be given to read.
+    /// Default false.
     pub fn stop_at_end(mut self, yes: bool) -> Self {
         self.stop_at_end = yes;
         self

@@ -240,10 +240,15 @@ pub(crate) struct Shared {
     /// applied them (kept here rather than asked of librdkafka there: see
     /// `GuardContext::rebalance`).
     pub assigned: BTreeSet<Partition>,
-    /// Whether the last rebalance left this instance no partition at all
-    /// (until a consumer with `stop_at_end` reports the end it implies,
-    /// see `Core::group_at_end`).
-    pub assigned_nothing: bool,
+    /// With no partition assigned: when the group's progress was last
+    /// asked (see `Core::group_at_end`), and whether the end it found was
+    /// reported; both cleared by the next rebalance that assigns.
+    pub group_checked: Option<std::time::Instant>,
+    pub group_end_reported: bool,
+    /// Whether a rebalance assigned this instance anything (nothing
+    /// included) since it was made, when.
+    pub rebalanced: bool,
+    pub made: std::time::Instant,
     /// High watermark of each assigned partition, and a position to count
     /// lag from until the guard has one, from librdkafka's last
     /// statistics; empty without them.
@@ -287,7 +292,10 @@ impl Shared {
             aborted: false,
             partial: FxHashMap::default(),
             at_eof: FxHashSet::default(),
-            assigned_nothing: false,
+            group_checked: None,
+            group_end_reported: false,
+            rebalanced: false,
+            made: std::time::Instant::now(),
             held: None,
             assigned: BTreeSet::new(),
             watermarks: BTreeMap::new(),

@@ -104,7 +104,8 @@ pub struct GuardArgs {
     /// record of a transaction still open; past any transaction marker,
     /// and at once where nothing is left to read, every record deleted by
     /// retention), take a final checkpoint and exit 0. An instance its
-    /// group gives no partition exits 0 at once, with a warning.
+    /// group gives no partition exits 0, with a warning, once the group's
+    /// committed offsets reach the end of the input.
     #[arg(long)]
     pub stop_at_end: bool,
 
