@@ -511,6 +511,10 @@ fn write_hint(e: &rdkafka::error::KafkaError) -> &'static str {
         Some(RDKafkaErrorCode::TopicAuthorizationFailed) => {
             "; the brokers do not let this client write the output topic: grant its principal WRITE on that topic"
         }
+        // A copy keeps its input's timestamp (`OutputRecord::copy_of`).
+        Some(RDKafkaErrorCode::InvalidTimestamp) => {
+            "; the output topic refused the output's timestamp (a copy keeps its input's): it lies outside the topic's message.timestamp.before.max.ms or message.timestamp.after.max.ms, which can be raised, or an output can carry no timestamp of its own"
+        }
         _ => "",
     }
 }

@@ -183,6 +183,8 @@ fn snapshot(dir: &Path) -> TestResult<BTreeMap<String, Vec<u8>>> {
 
 #[test]
 fn pipe_stop_at_end_copies_each_record_once_with_its_headers() -> TestResult {
+    // A create time of its own for each record, in 2020.
+    let created = |n: u64| 1_600_000_000_000 + 1_000 * n as i64;
     let broker = MockBroker::start(&[("in", 2), ("out", 2)])?;
     let records = (1..=300u64).map(|n| NewRecord {
         key: Some(n.to_string().into_bytes()),
@@ -192,6 +194,7 @@ fn pipe_stop_at_end_copies_each_record_once_with_its_headers() -> TestResult {
             ("empty".into(), None),
         ],
         partition: None,
+        timestamp: Some(created(n)),
     });
     produce(broker.bootstrap(), "in", records)?;
     let state = tempfile::tempdir()?;
@@ -225,6 +228,8 @@ fn pipe_stop_at_end_copies_each_record_once_with_its_headers() -> TestResult {
             && r.header("origin") == Some(Some(&origin[..]))
             && r.header("empty").is_some()
             && fp.len() == 17
+            // The input's create time, not the time of the copy.
+            && n.parse().ok().map(created) == r.timestamp
             && src.topic == "in"
             // Two output partitions for two input partitions: kept.
             && src.partition == r.partition;
@@ -569,12 +574,14 @@ fn consume_format_prints_key_partition_offset_topic_and_headers() -> TestResult 
                 value: Some(b"v1".to_vec()),
                 headers: vec![("a".into(), Some(b"1".to_vec())), ("b".into(), None)],
                 partition: Some(1),
+                timestamp: None,
             },
             NewRecord {
                 key: None,
                 value: Some(b"v2".to_vec()),
                 headers: Vec::new(),
                 partition: Some(0),
+                timestamp: None,
             },
         ],
     )?;

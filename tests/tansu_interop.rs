@@ -32,6 +32,7 @@ fn interop_record(i: u32) -> NewRecord {
             ("null".to_owned(), None),
         ],
         partition: None,
+        timestamp: None,
     }
 }
 

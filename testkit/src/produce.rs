@@ -24,6 +24,9 @@ pub struct NewRecord {
     pub headers: Vec<(String, Option<Vec<u8>>)>,
     /// A fixed partition, or `None` for the partitioner (by key).
     pub partition: Option<i32>,
+    /// A create time in ms since the Unix epoch, or `None` for the time it
+    /// is sent.
+    pub timestamp: Option<i64>,
 }
 
 struct Acks {
@@ -103,6 +106,9 @@ impl TestProducer {
         }
         if let Some(partition) = record.partition {
             base = base.partition(partition);
+        }
+        if let Some(timestamp) = record.timestamp {
+            base = base.timestamp(timestamp);
         }
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {

@@ -165,7 +165,7 @@ pub struct GuardArgs {
 
 /// Copy records from an input topic to an output topic, each exactly once.
 ///
-/// Key, value and headers are kept, and every output carries the
+/// Key, value, headers and timestamp are kept, and every output carries the
 /// `replayguard-fp` (fingerprint) and `replayguard-src` headers. The output
 /// partition is the input's when the output has enough partitions, else
 /// the key's. Outputs are written by an idempotent producer and readable as

@@ -26,6 +26,13 @@ pub struct OutputRecord {
     /// Output partition; `None` picks the input's partition when the output
     /// has enough partitions, else the key's.
     pub partition: Option<i32>,
+    /// Timestamp, in milliseconds since the Unix epoch (the record's
+    /// create time); `None` lets the producer stamp the time it sends. An
+    /// output topic with `message.timestamp.type=LogAppendTime` replaces
+    /// it with the broker's, and one whose
+    /// `message.timestamp.before.max.ms` or `after.max.ms` it falls outside
+    /// refuses it (`InvalidTimestamp`).
+    pub timestamp: Option<i64>,
 }
 
 impl OutputRecord {
@@ -38,8 +45,9 @@ impl OutputRecord {
         }
     }
 
-    /// A faithful copy of an input record: key, value and headers (a null
-    /// header value stays null), without the guard's own headers.
+    /// A faithful copy of an input record: key, value, headers (a null
+    /// header value stays null) and timestamp, without the guard's own
+    /// headers.
     #[must_use]
     pub fn copy_of(m: &impl Message) -> Self {
         let headers = m
@@ -56,6 +64,7 @@ impl OutputRecord {
             value: m.payload().map(<[u8]>::to_vec),
             headers,
             partition: None,
+            timestamp: m.timestamp().to_millis(),
         }
     }
 

@@ -370,6 +370,9 @@ impl GuardedPipeline {
         if let Some(v) = &out.value {
             record = record.payload(&v[..]);
         }
+        if let Some(t) = out.timestamp {
+            record = record.timestamp(t);
+        }
         match out.partition {
             Some(p) => record = record.partition(p),
             None if input.partition < self.out_partitions => {
