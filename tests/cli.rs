@@ -1360,41 +1360,18 @@ fn bad_arguments_are_usage_errors() -> TestResult {
         )?;
         expect_contains(&one_error_line(&out, 2)?, says)?;
     }
-    let out = run_bounded(
-        replayguard().args([
-            "consume",
-            "--brokers",
-            "127.0.0.1:1",
-            "--group",
-            "g",
-            "--topic",
-            "t",
-            "--state",
-            state,
-            "--format",
-            "%z",
-        ]),
-        Duration::from_secs(10),
-    )?;
-    usage_error(&out, "--format")?;
-    let out = run_bounded(
-        replayguard().args([
-            "consume",
-            "--brokers",
-            "127.0.0.1:1",
-            "--group",
-            "g",
-            "--topic",
-            "t",
-            "--state",
-            state,
-            "-X",
-            "fetch.max.bytes=100",
-        ]),
-        Duration::from_secs(10),
-    )?;
+    let consume = |extra: &[&str]| {
+        run_bounded(
+            replayguard()
+                .args(["consume", "--brokers", "127.0.0.1:1", "--group", "g"])
+                .args(["--topic", "t", "--state", state])
+                .args(extra),
+            Duration::from_secs(10),
+        )
+    };
+    usage_error(&consume(&["--format", "%z"])?, "--format")?;
     expect_contains(
-        &one_error_line(&out, 2)?,
+        &one_error_line(&consume(&["-X", "fetch.max.bytes=100"])?, 2)?,
         "the consumer's configuration is refused by librdkafka",
     )?;
     if Path::new(state).exists() {
@@ -1721,75 +1698,57 @@ fn stop_at_end_ends_an_instance_its_group_gives_no_partition() -> TestResult {
     let bootstrap = broker.bootstrap();
     produce_integers(&bootstrap, "in", 1..=100)?;
     let dir = tempfile::tempdir()?;
-    let (mut copier, copier_log) = spawn_logged(&mut kafka_pipe(
-        &bootstrap,
-        "copy",
-        &dir.path().join("copier"),
-        &[],
-    ))?;
-    let (mut reader, reader_log) = spawn_logged(
-        replayguard()
-            .arg("consume")
-            .args([
-                "--brokers",
-                &bootstrap,
-                "--group",
-                "readers",
-                "--topic",
-                "in",
-            ])
-            .args(["--checkpoint-interval", "1s", "--state"])
-            .arg(dir.path().join("reader")),
-    )?;
-    // Each owns the partition once it has handled the records.
-    let owned = (|| -> TestResult {
+    let reading = |group: &str, state: &str, extra: &[&str]| {
+        let mut c = replayguard();
+        c.arg("consume")
+            .args(["--brokers", &bootstrap, "--group", group, "--topic", "in"])
+            .arg("--state")
+            .arg(dir.path().join(state))
+            .args(extra);
+        c
+    };
+    let committed = |group: &str| -> TestResult<i64> {
+        let offsets = committed_offsets(&bootstrap, "in", group, PyClient::Confluent)?;
+        Ok(offsets.values().flatten().sum())
+    };
+    let copied = |n: i64| -> TestResult {
         wait_until("the copier copied the input", RUN_LIMIT, || {
-            Ok(end_offsets(&bootstrap, "out")?.values().sum::<i64>() >= 100)
-        })?;
-        wait_until("the reader committed its position", RUN_LIMIT, || {
-            let committed = committed_offsets(&bootstrap, "in", "readers", PyClient::Confluent)?;
-            Ok(committed.values().flatten().sum::<i64>() >= 100)
+            Ok(end_offsets(&bootstrap, "out")?.values().sum::<i64>() >= n)
         })
-    })();
-    let idle_pipe = owned.and_then(|()| {
-        run_bounded(
-            &mut kafka_pipe(
-                &bootstrap,
-                "copy",
-                &dir.path().join("idle-pipe"),
-                &["--stop-at-end"],
-            ),
-            RUN_LIMIT,
-        )
-    });
-    let idle_reader = idle_pipe.as_ref().map_err(|e| e.to_string()).and_then(|_| {
-        run_bounded(
-            replayguard()
-                .arg("consume")
-                .args([
-                    "--brokers",
-                    &bootstrap,
-                    "--group",
-                    "readers",
-                    "--topic",
-                    "in",
-                ])
-                .args(["--stop-at-end", "--state"])
-                .arg(dir.path().join("idle-reader")),
-            RUN_LIMIT,
-        )
-        .map_err(|e| e.to_string())
-    });
+    };
+    let pipe_state = dir.path().join("copier");
+    let (mut copier, copier_log) =
+        spawn_logged(&mut kafka_pipe(&bootstrap, "copy", &pipe_state, &[]))?;
+    let (mut reader, reader_log) = spawn_logged(&mut reading(
+        "readers",
+        "reader",
+        &["--checkpoint-interval", "1s"],
+    ))?;
+    // Each owns the partition once it has handled the records.
+    let idle = copied(100)
+        .and_then(|()| {
+            wait_until("the reader committed its position", RUN_LIMIT, || {
+                Ok(committed("readers")? >= 100)
+            })
+        })
+        .and_then(|()| {
+            let idle_state = dir.path().join("idle-pipe");
+            let pipe = run_bounded(
+                &mut kafka_pipe(&bootstrap, "copy", &idle_state, &["--stop-at-end"]),
+                RUN_LIMIT,
+            )?;
+            let reader = run_bounded(
+                &mut reading("readers", "idle-reader", &["--stop-at-end"]),
+                RUN_LIMIT,
+            )?;
+            Ok((pipe, reader))
+        });
     produce_integers(&bootstrap, "in", 101..=150)?;
-    wait_until(
-        "the copier copied the records written after",
-        RUN_LIMIT,
-        || Ok(end_offsets(&bootstrap, "out")?.values().sum::<i64>() >= 150),
-    )?;
+    let later = copied(150);
     let (copier_status, copier_stderr) = terminate(&mut copier, copier_log)?;
     let (reader_status, reader_stderr) = terminate(&mut reader, reader_log)?;
-    let idle_pipe = idle_pipe?;
-    let idle_reader = idle_reader?;
+    let (idle_pipe, idle_reader) = idle?;
+    later?;
     success(&idle_pipe, "a pipe given no partition")?;
     expect_contains(
         &text(&idle_pipe.stderr),
@@ -1816,29 +1775,18 @@ fn stop_at_end_ends_an_instance_its_group_gives_no_partition() -> TestResult {
 
     // Under the broker-side group protocol librdkafka reports no empty
     // assignment; the group's progress is asked all the same.
-    let kip848 = |state: &str, extra: &[&str]| {
-        let mut c = replayguard();
-        c.arg("consume")
-            .args([
-                "--brokers",
-                &bootstrap,
-                "--group",
-                "kip848",
-                "--topic",
-                "in",
-            ])
-            .args(["-X", "group.protocol=consumer", "--state"])
-            .arg(dir.path().join(state))
-            .args(extra);
-        c
-    };
+    let kip848 = ["-X", "group.protocol=consumer"];
     let (mut owner, owner_log) =
-        spawn_logged(&mut kip848("owner", &["--checkpoint-interval", "1s"]))?;
+        spawn_logged(reading("kip848", "owner", &kip848).args(["--checkpoint-interval", "1s"]))?;
     let idle = wait_until("the owner committed its position", RUN_LIMIT, || {
-        let committed = committed_offsets(&bootstrap, "in", "kip848", PyClient::Confluent)?;
-        Ok(committed.values().flatten().sum::<i64>() >= 150)
+        Ok(committed("kip848")? >= 150)
     })
-    .and_then(|()| run_bounded(&mut kip848("idle", &["--stop-at-end"]), RUN_LIMIT));
+    .and_then(|()| {
+        run_bounded(
+            reading("kip848", "idle", &kip848).arg("--stop-at-end"),
+            RUN_LIMIT,
+        )
+    });
     let (owner_status, owner_stderr) = terminate(&mut owner, owner_log)?;
     let idle = idle?;
     success(
@@ -1868,11 +1816,11 @@ fn stop_at_end_ends_an_instance_its_group_gives_no_partition() -> TestResult {
     };
     let (mut first, first_log) =
         spawn_logged(&mut wide("first", &["--checkpoint-interval", "1h"]))?;
-    let copied = wait_until("the first member copied the input", RUN_LIMIT, || {
+    let all_copied = wait_until("the first member copied the input", RUN_LIMIT, || {
         Ok(end_offsets(&bootstrap, "wide-out")?.values().sum::<i64>() >= 400)
     });
     let second =
-        copied.and_then(|()| run_bounded(&mut wide("second", &["--stop-at-end"]), RUN_LIMIT));
+        all_copied.and_then(|()| run_bounded(&mut wide("second", &["--stop-at-end"]), RUN_LIMIT));
     let (first_status, first_stderr) = terminate(&mut first, first_log)?;
     let second = second?;
     success(
