@@ -284,7 +284,7 @@ impl GuardedConsumer {
             }
             if ready.is_none() && self.stop_at_end && self.core.group_at_end(&*self.consumer) {
                 tracing::warn!(
-                    "no input partition is assigned to this consumer (the group has more members than partitions), and its group has read the input to its end: it is at its end"
+                    "no input partition is assigned to this consumer, and its group has read the input to its end: it is at its end (a group with more members than partitions leaves some with none)"
                 );
                 return Ok(None);
             }

@@ -245,8 +245,8 @@ pub(crate) struct Shared {
     /// reported; both cleared by the next rebalance that assigns.
     pub group_checked: Option<std::time::Instant>,
     pub group_end_reported: bool,
-    /// Whether a rebalance assigned this instance anything (nothing
-    /// included) since it was made, when.
+    /// Whether a rebalance has given this instance its partitions (none
+    /// among them) since it was made; and when it was made.
     pub rebalanced: bool,
     pub made: std::time::Instant,
     /// High watermark of each assigned partition, and a position to count

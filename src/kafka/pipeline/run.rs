@@ -139,9 +139,14 @@ impl GuardedPipeline {
         let wake = self.core.lock().wake.clone();
         loop {
             self.check_failure()?;
-            if self.stop_at_end && ending == Ending::No && self.core.group_at_end(&*self.consumer) {
+            if self.stop_at_end
+                && ending == Ending::No
+                && queue.is_empty()
+                && work.is_empty()
+                && self.core.group_at_end(&*self.consumer)
+            {
                 tracing::warn!(
-                    "no input partition is assigned to this instance (the group has more members than partitions), and its group has read the input to its end: it stops"
+                    "no input partition is assigned to this instance, and its group has read the input to its end: it stops (a group with more members than partitions leaves some with none)"
                 );
                 ending = Ending::End;
             }
