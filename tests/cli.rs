@@ -1380,6 +1380,33 @@ fn bad_arguments_are_usage_errors() -> TestResult {
     Ok(())
 }
 
+/// A reader of uncommitted records takes in the records of aborted
+/// transactions: allowed, with a warning before anything else.
+#[test]
+fn reading_uncommitted_records_is_warned_of() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let out = run_bounded(
+        replayguard()
+            .args(["pipe", "--brokers", "127.0.0.1:1", "--group", "g"])
+            .args([
+                "--input",
+                "in",
+                "--output",
+                "out",
+                "--connect-attempts",
+                "1",
+            ])
+            .args(["-X", "isolation.level=read_uncommitted", "--state"])
+            .arg(dir.path().join("state")),
+        Duration::from_secs(30),
+    )?;
+    one_error_line(&out, 1)?;
+    expect_contains(
+        &text(&out.stderr),
+        "WARN replayguard::kafka::setup: isolation.level=read_uncommitted: records of transactions the input's producers aborted are read",
+    )
+}
+
 #[test]
 fn every_subcommand_explains_itself_with_an_example() -> TestResult {
     for sub in ["pipe", "consume", "inspect"] {

@@ -125,6 +125,7 @@ impl GuardedConsumerBuilder {
             &setup::guarded_consumer_config(&self.config, "probe", o.stop_at_end)?,
             "consumer",
         )?;
+        setup::warn_of_isolation(&self.config);
         let counts = setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
         let guard = o.open(&self.state)?;
         let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label())

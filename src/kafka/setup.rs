@@ -249,6 +249,21 @@ pub(crate) fn check_client_config<C: rdkafka::config::FromClientConfig>(
     }
 }
 
+/// Warns of a consumer told to read uncommitted records: it reads the
+/// records of transactions the input's producers aborted, and the guard
+/// handles them as any other (librdkafka's default, `read_committed`,
+/// skips them).
+pub(crate) fn warn_of_isolation(user: &ClientConfig) {
+    if user
+        .get("isolation.level")
+        .is_some_and(|v| v.eq_ignore_ascii_case("read_uncommitted"))
+    {
+        tracing::warn!(
+            "isolation.level=read_uncommitted: records of transactions the input's producers aborted are read and handled as any other, so they reach the output; remove the setting to skip them"
+        );
+    }
+}
+
 /// Whether a configuration uses the broker-side group protocol of KIP-848
 /// (`group.protocol=consumer`) rather than the classic one.
 pub(crate) fn uses_consumer_protocol(cfg: &ClientConfig) -> bool {

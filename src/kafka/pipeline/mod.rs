@@ -182,6 +182,7 @@ impl GuardedPipelineBuilder {
             &setup::guarded_consumer_config(&self.consumer, "probe", o.stop_at_end)?,
             "consumer",
         )?;
+        setup::warn_of_isolation(&self.consumer);
         let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         topics.push(&output);
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
