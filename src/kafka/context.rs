@@ -310,8 +310,9 @@ impl Core {
     /// Asked once a rebalance assigned (nothing included), or 5 s after
     /// the consumer was made (librdkafka reports no empty assignment under
     /// `group.protocol=consumer`); at most once a second; and reported once
-    /// until a rebalance assigns again. A failure to ask the broker is
-    /// logged at debug level and taken as not at the end.
+    /// until a rebalance assigns again. Each request waits 2 s at most; a
+    /// failure to ask the broker is logged at debug level and taken as not
+    /// at the end.
     pub fn group_at_end(&self, consumer: &impl Consumer<GuardContext>) -> bool {
         {
             let mut s = self.lock();
@@ -341,13 +342,16 @@ impl Core {
     }
 
     fn group_read_to_end(&self, consumer: &impl Consumer<GuardContext>) -> Result<bool> {
+        // Each request briefly: the run loop waits for them, and a stop
+        // asked meanwhile waits too.
+        const ASK: Duration = Duration::from_secs(2);
         let topics = consumer
             .subscription()
             .map_err(kafka("reading the subscription"))?;
         let mut all: Vec<(Partition, Option<i64>)> = Vec::new();
         for e in topics.elements() {
             let md = consumer
-                .fetch_metadata(Some(e.topic()), self.timeout)
+                .fetch_metadata(Some(e.topic()), ASK)
                 .map_err(kafka("reading the input's metadata"))?;
             for t in md.topics().iter().filter(|t| t.name() == e.topic()) {
                 all.extend(
@@ -365,11 +369,11 @@ impl Core {
             asked.add_partition(topic, *p);
         }
         let committed = consumer
-            .committed_offsets(asked, self.timeout)
+            .committed_offsets(asked, ASK)
             .map_err(kafka("reading the group's committed offsets"))?;
-        let ends = log_offsets(consumer, &all, Offset::End, self.timeout)
+        let ends = log_offsets(consumer, &all, Offset::End, ASK)
             .map_err(kafka("reading input watermarks"))?;
-        let starts = log_offsets(consumer, &all, Offset::Beginning, self.timeout)
+        let starts = log_offsets(consumer, &all, Offset::Beginning, ASK)
             .map_err(kafka("reading input watermarks"))?;
         for ((topic, p), _) in &all {
             let hi = offset_of(&ends, topic, *p, "end")?;
