@@ -118,7 +118,10 @@ impl GuardOptions {
     /// gives no partition at all (more members than partitions) ends too,
     /// with a warning, once the group's committed offsets reach the end of
     /// every input partition: nothing is left it could be given to read.
-    /// Default false.
+    /// Where a partition's log ends in a transaction marker, the owner's
+    /// committed offset stays before the marker, so such an instance ends
+    /// only once the owners leave and it is given the partitions. Default
+    /// false.
     pub fn stop_at_end(mut self, yes: bool) -> Self {
         self.stop_at_end = yes;
         self
