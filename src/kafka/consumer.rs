@@ -118,6 +118,9 @@ impl GuardedConsumerBuilder {
         }
         let o = &self.options;
         o.validate()?;
+        // First, so that an endpoint serving already shows every series,
+        // at zero, while the rest opens.
+        let meters = Arc::new(super::telemetry::Meters::new(&o.metric_labels));
         let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
@@ -132,7 +135,6 @@ impl GuardedConsumerBuilder {
             .with_changelog(o.changelog.clone());
         // The changelog is checked before the folder is bound to it.
         let token = setup::instance_token(&self.state)?;
-        let meters = Arc::new(super::telemetry::Meters::new(&o.metric_labels));
         let changelog = super::changelog::Changelog::for_options(
             &self.config,
             o,

@@ -162,6 +162,9 @@ impl GuardedPipelineBuilder {
         let output = self.checked_output()?;
         let o = &self.options;
         o.validate()?;
+        // First, so that an endpoint serving already shows every series,
+        // at zero, while the rest opens.
+        let meters = Arc::new(super::telemetry::Meters::new(&o.metric_labels));
         let group = setup::group_id(&self.consumer)?;
         let mut producer_cfg = setup::idempotent_producer_config(
             &self
@@ -194,7 +197,6 @@ impl GuardedPipelineBuilder {
             .with_changelog(o.changelog.clone());
         // The changelog is checked before the folder is bound to it.
         let token = setup::instance_token(&self.state)?;
-        let meters = Arc::new(super::telemetry::Meters::new(&o.metric_labels));
         let changelog = match self.mode {
             Mode::Guarded => super::changelog::Changelog::for_options(
                 &self.consumer,
