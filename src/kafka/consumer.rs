@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::{FutureExt, Stream};
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
 
@@ -124,11 +124,7 @@ impl GuardedConsumerBuilder {
         let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
-        setup::check_client_config::<BaseConsumer>(
-            &setup::guarded_consumer_config(&self.config, "probe", o.stop_at_end)?,
-            "consumer",
-        )?;
-        setup::warn_of_isolation(&self.config);
+        setup::check_consumer_config(&self.config, o.stop_at_end)?;
         let counts = setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
         let guard = o.open(&self.state)?;
         let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label())

@@ -373,13 +373,22 @@ impl Core {
             .map_err(kafka("reading the group's committed offsets"))?;
         let ends = log_offsets(consumer, &all, Offset::End, ASK)
             .map_err(kafka("reading input watermarks"))?;
-        let starts = log_offsets(consumer, &all, Offset::Beginning, ASK)
-            .map_err(kafka("reading input watermarks"))?;
+        // The log's start is asked, as in `at_end`, only for partitions
+        // whose committed offset is short of their end.
+        let mut short = Vec::new();
         for ((topic, p), _) in &all {
             let hi = offset_of(&ends, topic, *p, "end")?;
-            let low = offset_of(&starts, topic, *p, "start")?;
-            let read = position_in(&committed, topic, *p).unwrap_or(0);
-            if read.max(low) < hi {
+            if position_in(&committed, topic, *p).unwrap_or(0) < hi {
+                short.push(((topic.clone(), *p), None));
+            }
+        }
+        if short.is_empty() {
+            return Ok(true);
+        }
+        let starts = log_offsets(consumer, &short, Offset::Beginning, ASK)
+            .map_err(kafka("reading input watermarks"))?;
+        for ((topic, p), _) in &short {
+            if offset_of(&starts, topic, *p, "start")? < offset_of(&ends, topic, *p, "end")? {
                 return Ok(false);
             }
         }

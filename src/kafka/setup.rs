@@ -249,11 +249,19 @@ pub(crate) fn check_client_config<C: rdkafka::config::FromClientConfig>(
     }
 }
 
-/// Warns of a consumer told to read uncommitted records: it reads the
-/// records of transactions the input's producers aborted, and the guard
-/// handles them as any other (librdkafka's default, `read_committed`,
-/// skips them).
-pub(crate) fn warn_of_isolation(user: &ClientConfig) {
+/// Checks the guarded consumer's configuration made from `user`
+/// ([`check_client_config`]), and warns of a consumer told to read
+/// uncommitted records: it reads the records of transactions the input's
+/// producers aborted, and the guard handles them as any other
+/// (librdkafka's default, `read_committed`, skips them).
+///
+/// # Errors
+/// [`Error::Config`] for a configuration librdkafka refuses.
+pub(crate) fn check_consumer_config(user: &ClientConfig, stop_at_end: bool) -> Result<()> {
+    check_client_config::<BaseConsumer>(
+        &guarded_consumer_config(user, "probe", stop_at_end)?,
+        "consumer",
+    )?;
     if user
         .get("isolation.level")
         .is_some_and(|v| v.eq_ignore_ascii_case("read_uncommitted"))
@@ -262,6 +270,7 @@ pub(crate) fn warn_of_isolation(user: &ClientConfig) {
             "isolation.level=read_uncommitted: records of transactions the input's producers aborted are read and handled as any other, so they reach the output; remove the setting to skip them"
         );
     }
+    Ok(())
 }
 
 /// Whether a configuration uses the broker-side group protocol of KIP-848

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::{BaseProducer, Producer, ThreadedProducer};
 
 use super::context::{Core, GuardContext};
@@ -181,11 +181,7 @@ impl GuardedPipelineBuilder {
             Duration::ZERO
         };
         setup::check_client_config::<BaseProducer>(&producer_cfg, "output producer")?;
-        setup::check_client_config::<BaseConsumer>(
-            &setup::guarded_consumer_config(&self.consumer, "probe", o.stop_at_end)?,
-            "consumer",
-        )?;
-        setup::warn_of_isolation(&self.consumer);
+        setup::check_consumer_config(&self.consumer, o.stop_at_end)?;
         let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         topics.push(&output);
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
