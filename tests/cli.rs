@@ -1873,7 +1873,9 @@ fn stop_at_end_ends_an_instance_its_group_gives_no_partition() -> TestResult {
 /// records retention deleted (a fresh group, and a restart whose position
 /// the deletion passed) and a reading reset to the end
 /// (`auto.offset.reset=latest`). Before, each of these runs waited for an
-/// end it compared with offset 0, until it was killed.
+/// end it compared with offset 0, until it was killed. A run reset to the
+/// end keeps that end as its position, so the next run reads what came
+/// after it.
 #[test]
 fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
     let broker = replayguard_testkit::KafkaBroker::start(&[("in", 2), ("out", 2)])?;
@@ -1930,8 +1932,23 @@ fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
     if !latest.stdout.is_empty() {
         return Err(format!("printed {:?}", text(&latest.stdout)).into());
     }
+    // The end it started at is its position: the next run, reset to the
+    // end again, reads what was written since (it read nothing, and the
+    // group had no offset to keep, so it once skipped them).
+    produce_integers(&bootstrap, "in", 251..=260)?;
+    let next = consume(
+        "latest",
+        &dir.path().join("latest"),
+        &["-X", "auto.offset.reset=latest", "--format", "%s\n"],
+    )?;
+    success(&next, "consume from where the last run began")?;
+    let printed: Vec<u64> = text(&next.stdout)
+        .lines()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    check_each_once(&printed, 251..=260)?;
     let last = copy()?;
     success(&last, "the copy of the records written after the deletion")?;
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
-    check_each_once(&values, (1..=100).chain(201..=250))
+    check_each_once(&values, (1..=100).chain(201..=260))
 }

@@ -412,10 +412,12 @@ impl Core {
     /// the caller admitted before this call; no partition is at its end
     /// while any is held. A partition short of its end by both is at its
     /// end all the same when nothing is left it can read: its log starts
-    /// at its end (retention deleted its records), or its reading was
-    /// reset to the end (`auto.offset.reset=latest`) and nothing came
-    /// since; the log's start is asked, again in one request a leader,
-    /// only then.
+    /// at its end (retention deleted its records), or retention passed
+    /// its position and its reading is reset to the end
+    /// (`auto.offset.reset=latest`); the log's start is asked, again in
+    /// one request a leader, only then. (A partition with no position at
+    /// all starts at an end pinned when it arrived, under `latest`: see
+    /// [`Core::start_at_ends`].)
     pub fn at_end(&self, consumer: &impl Consumer<GuardContext>, eof: i32) -> Result<bool> {
         let assigned = {
             let mut s = self.lock();
@@ -448,9 +450,9 @@ impl Core {
         }
         // Short of its end, a partition may still have nothing it can
         // read: its log starts at its end (retention deleted every record),
-        // or its reading was reset to its end (`auto.offset.reset=latest`
-        // with no position) and nothing has come since. librdkafka has no
-        // position for a partition until it hands on a record from it.
+        // or its position is below the log's start and reading is reset to
+        // the end (`auto.offset.reset=latest`). librdkafka has no position
+        // for a partition until it hands on a record from it.
         let asked: Vec<(Partition, Option<i64>)> = short
             .iter()
             .map(|(tp, read, _)| (tp.clone(), *read))
@@ -863,6 +865,9 @@ impl Core {
         for e in committed.elements() {
             self.arrive(consumer, e, &mut arrival)?;
         }
+        if self.start_at_end {
+            self.start_at_ends(consumer, &mut arrival.starts)?;
+        }
         if let Some(cl) = &self.changelog {
             self.restore(cl, &arrival.starts, manifest_sink.as_ref())?;
         }
@@ -1002,6 +1007,39 @@ impl Core {
         t.inflight.clear();
         t.inflight_fps.clear();
         arrival.starts.push((topic, p, start));
+        Ok(())
+    }
+
+    /// Under `auto.offset.reset=latest`, pins each arriving partition with
+    /// no position anywhere (neither the folder's nor the group's) to its
+    /// end as the isolation level sees it, asked in one request a leader,
+    /// and starts it there. Left to librdkafka's own reset, such a
+    /// partition has no position until a record of it is handed on: a
+    /// checkpoint then has nothing to commit for it, so the next run,
+    /// reset to the end again, skips every record written between the
+    /// two; and a stop at the end could not tell a partition reset after
+    /// records came from one with nothing to read.
+    fn start_at_ends(
+        &self,
+        consumer: &BaseConsumer<GuardContext>,
+        starts: &mut [(String, i32, Option<i64>)],
+    ) -> Result<()> {
+        let unknown: Vec<(Partition, Option<i64>)> = starts
+            .iter()
+            .filter(|(_, _, start)| start.is_none())
+            .map(|(topic, p, _)| ((topic.clone(), *p), None))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let ends = log_offsets(consumer, &unknown, Offset::End, self.timeout)
+            .map_err(kafka("reading input watermarks"))?;
+        let mut s = self.lock();
+        for (topic, p, start) in starts.iter_mut().filter(|(_, _, start)| start.is_none()) {
+            let end = offset_of(&ends, topic, *p, "end")?;
+            *start = Some(end);
+            s.track(topic, *p).next = Some(end);
+        }
         Ok(())
     }
 

@@ -41,7 +41,10 @@
 //!   input is found from partition-end events.
 //! - `auto.offset.reset=earliest` when not set: a partition with no
 //!   position anywhere (no state, no committed offset) is read from its
-//!   start, not from its end, so nothing already in it is skipped.
+//!   start, not from its end, so nothing already in it is skipped. Set to
+//!   `latest`, such a partition starts at its end as asked when it is
+//!   assigned, and that end is its position from then on: committed at
+//!   the next checkpoint, so a later run starts there, not at a new end.
 //! - `linger.ms=5` for the pipeline's producer when not set.
 //! - `group.instance.id`, when not set, is derived from the state folder
 //!   (static membership, KIP-345), so that a restart after `kill -9` gets
