@@ -30,9 +30,12 @@ use crate::cli::{Cli, Command, LogFormat};
 use crate::common::Failure;
 
 /// Our own warnings and errors. rdkafka's log (which repeats every
-/// connection failure, and reports each partition end as an error) only on
-/// request: the library turns the failures that matter into its errors.
-const DEFAULT_LOG: &str = "warn,rdkafka=off,librdkafka=off";
+/// connection failure, and reports each partition end as an error) and the
+/// storage engine's (which logs a damaged journal at ERROR before it
+/// returns the error that the library reports as a corrupt state folder)
+/// only on request: the library turns the failures that matter into its
+/// errors.
+const DEFAULT_LOG: &str = "warn,rdkafka=off,librdkafka=off,fjall=off,lsm_tree=off";
 
 fn main() -> ExitCode {
     // Usage errors exit 2 here, `--help` and `--version` exit 0.
