@@ -1953,6 +1953,13 @@ fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
         &["-X", "auto.offset.reset=latest"],
     )?;
     success(&latest, "consume from the end")?;
+    // Told to start nowhere on its own, a fresh group stops and says so.
+    let nowhere = consume(
+        "nowhere",
+        &dir.path().join("nowhere"),
+        &["-X", "auto.offset.reset=error"],
+    )?;
+    expect_contains(&one_error_line(&nowhere, 1)?, "set auto.offset.reset to")?;
     if !latest.stdout.is_empty() {
         return Err(format!("printed {:?}", text(&latest.stdout)).into());
     }

@@ -135,7 +135,13 @@ pub(crate) fn hint(e: &KafkaError) -> &'static str {
              group session (frozen or cut off past its session timeout) and rejoined, and \
              the old membership's requests were fenced (start it again)"
         }
-        Some(Code::AutoOffsetReset | Code::OffsetOutOfRange | Code::LogTruncation) => {
+        Some(Code::AutoOffsetReset) => {
+            "under auto.offset.reset=error a partition with no position (nothing committed \
+             by the group, nothing in the state folder) or a position outside its log \
+             (records expired or truncated before they were read) has nowhere to start; \
+             set auto.offset.reset to earliest or latest, or commit a position for the group"
+        }
+        Some(Code::OffsetOutOfRange | Code::LogTruncation) => {
             "the position is outside the partition's log (records expired or truncated \
              before they were read); they cannot be read, so the guard stops rather than skip"
         }
