@@ -40,6 +40,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 use super::setup::{self, kafka};
 use super::shared::Shared;
+use super::trouble::patiently;
 use crate::changelog::{ChangelogKey, Shipment, Shipped, decode_value, encode_value};
 use crate::error::{Error, Result};
 use crate::guard::LaneId;
@@ -359,15 +360,16 @@ impl Changelog {
         partition: i32,
         local_end: Option<i64>,
     ) -> Result<Restored> {
-        let (lo, hi) = reader
-            .fetch_watermarks(&self.topic, partition, self.timeout)
-            .map_err(|e| {
-                self.error(
-                    Some(partition),
-                    None,
-                    format!("cannot read its watermarks (was it deleted?): {e}"),
-                )
-            })?;
+        let (lo, hi) = patiently(self.timeout, || {
+            reader.fetch_watermarks(&self.topic, partition, self.timeout)
+        })
+        .map_err(|e| {
+            self.error(
+                Some(partition),
+                None,
+                format!("cannot read its watermarks (was it deleted?): {e}"),
+            )
+        })?;
         if let Some(end) = local_end {
             if hi < end {
                 return Err(self.error(
@@ -515,9 +517,10 @@ impl Changelog {
                 Ok(m) => m,
                 Err(KafkaError::PartitionEOF(_)) => {
                     // Compaction may have removed the last records.
-                    let (_, now_hi) = reader
-                        .fetch_watermarks(&self.topic, partition, self.timeout)
-                        .map_err(kafka("reading changelog watermarks"))?;
+                    let (_, now_hi) = patiently(self.timeout, || {
+                        reader.fetch_watermarks(&self.topic, partition, self.timeout)
+                    })
+                    .map_err(kafka("reading changelog watermarks"))?;
                     if let Ok(pos) = reader.position()
                         && let Some(Offset::Offset(p)) = pos
                             .find_partition(&self.topic, partition)

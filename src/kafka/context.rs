@@ -26,6 +26,7 @@ use rdkafka::types::RDKafkaRespErr;
 use super::lease::Lease;
 use super::setup::{self, kafka};
 use super::shared::{Held, Offered, Partition, Position, Refusal, Shared, SinkPositions};
+use super::trouble::patiently;
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, Identity};
 
@@ -766,9 +767,10 @@ impl Core {
             let offset = match start {
                 Some(o) => *o,
                 None => {
-                    let (low, high) = consumer
-                        .fetch_watermarks(topic, *p, self.timeout)
-                        .map_err(kafka("reading input watermarks"))?;
+                    let (low, high) = patiently(self.timeout, || {
+                        consumer.fetch_watermarks(topic, *p, self.timeout)
+                    })
+                    .map_err(kafka("reading input watermarks"))?;
                     if self.start_at_end { high } else { low }
                 }
             };
@@ -852,9 +854,10 @@ impl Core {
         let started = Instant::now();
         let span = tracing::info_span!("replayguard_recover", partitions = tpl.count());
         let _e = span.enter();
-        let committed = consumer
-            .committed_offsets(tpl.clone(), self.timeout)
-            .map_err(kafka("reading committed offsets"))?;
+        let committed = patiently(self.timeout, || {
+            consumer.committed_offsets(tpl.clone(), self.timeout)
+        })
+        .map_err(kafka("reading committed offsets"))?;
         let manifest_sink: Option<SinkPositions> = self
             .lock()
             .guard
@@ -957,9 +960,10 @@ impl Core {
             (a, b) => a.or(b),
         };
         if let Some(known) = start.filter(|o| *o > 0) {
-            let (_, hi) = consumer
-                .fetch_watermarks(&topic, p, self.timeout)
-                .map_err(kafka("reading input watermarks"))?;
+            let (_, hi) = patiently(self.timeout, || {
+                consumer.fetch_watermarks(&topic, p, self.timeout)
+            })
+            .map_err(kafka("reading input watermarks"))?;
             if hi < known {
                 return Err(Error::TopicRewound {
                     topic,
@@ -1293,7 +1297,7 @@ fn log_offsets(
     for ((topic, p), _) in partitions {
         tpl.add_partition_offset(topic, *p, which)?;
     }
-    consumer.offsets_for_times(tpl, timeout)
+    patiently(timeout, || consumer.offsets_for_times(tpl.clone(), timeout))
 }
 
 /// The offset of `topic[p]` in an answer of [`log_offsets`]; `what` names

@@ -67,6 +67,31 @@ pub(crate) fn heals(e: &KafkaError) -> bool {
     }
 }
 
+/// Asks `ask` again while it fails with an error that heals (a topic made
+/// a moment ago whose leaders are not yet elected: `NotLeaderForPartition`;
+/// a coordinator loading or moving), pausing 50 ms, doubling up to 1 s,
+/// for as long as `patience` allows another pause; then returns its last
+/// answer. For the reads the guard makes outside the consumer's own
+/// fetching (watermarks, log offsets, committed offsets), which librdkafka
+/// does not retry itself.
+pub(crate) fn patiently<T>(
+    patience: Duration,
+    mut ask: impl FnMut() -> rdkafka::error::KafkaResult<T>,
+) -> rdkafka::error::KafkaResult<T> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match ask() {
+            Err(e) if heals(&e) && started.elapsed() + pause < patience => {
+                tracing::debug!(error = %e, ?pause, "a transient refusal; asking again");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            answer => return answer,
+        }
+    }
+}
+
 /// Whether a client-wide error (librdkafka's error callback) means the
 /// connection cannot work: refused credentials, a TLS failure, or an error
 /// librdkafka itself calls fatal. Every other client-wide error is a
@@ -187,6 +212,40 @@ impl TransientLog {
 #[cfg(test)]
 mod test {
     use super::*;
+
+    #[test]
+    fn a_read_refused_for_a_passing_reason_is_asked_again_within_its_patience() {
+        let not_leader = || KafkaError::MetadataFetch(Code::NotLeaderForPartition);
+        // Refused twice while leaders are elected, then answered.
+        let mut asked = 0;
+        let answer = patiently(Duration::from_secs(5), || {
+            asked += 1;
+            if asked < 3 {
+                Err(not_leader())
+            } else {
+                Ok(asked)
+            }
+        });
+        assert_eq!(answer.ok(), Some(3));
+        // A refusal that does not pass is returned at once.
+        let mut asked = 0;
+        let answer: rdkafka::error::KafkaResult<()> = patiently(Duration::from_secs(5), || {
+            asked += 1;
+            Err(KafkaError::MetadataFetch(Code::TopicAuthorizationFailed))
+        });
+        assert!(answer.is_err());
+        assert_eq!(asked, 1);
+        // One that never passes is returned once the patience is spent.
+        let started = Instant::now();
+        let mut asked = 0;
+        let answer: rdkafka::error::KafkaResult<()> = patiently(Duration::from_millis(400), || {
+            asked += 1;
+            Err(not_leader())
+        });
+        assert!(answer.is_err());
+        assert!(asked >= 3, "asked {asked} times");
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
 
     #[test]
     fn transport_trouble_heals_and_decoding_or_access_trouble_does_not() {
