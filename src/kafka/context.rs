@@ -1388,7 +1388,10 @@ impl ConsumerContext for GuardContext {
                 }
             }
             other => {
-                tracing::error!(error = ?other, "rebalance error");
+                // Handled here (nothing is kept assigned, and the group
+                // assigns again), so a warning: the one error line of a
+                // run is the one that ends it.
+                tracing::warn!(error = ?other, "rebalance error; this instance's partitions are unassigned until the group assigns again");
                 self.core.lock().assigned.clear();
                 consumer.unassign()
             }
