@@ -515,6 +515,11 @@ fn write_hint(e: &rdkafka::error::KafkaError) -> &'static str {
         Some(RDKafkaErrorCode::InvalidTimestamp) => {
             "; the output topic refused the output's timestamp (a copy keeps its input's): it lies outside the topic's message.timestamp.before.max.ms or message.timestamp.after.max.ms, which can be raised, or an output can carry no timestamp of its own"
         }
+        // Kafka validates each record against the topic: a compacted
+        // topic takes none without a key.
+        Some(RDKafkaErrorCode::InvalidRecord) => {
+            "; the output topic refused the record as invalid for it: a compacted topic (cleanup.policy=compact) takes only records with a key, so give each output one, or write to a topic that is not compacted (the broker's log names any other rule)"
+        }
         _ => "",
     }
 }

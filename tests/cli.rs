@@ -1633,9 +1633,11 @@ fn pipe_warns_when_input_records_were_deleted_before_it_read_them() -> TestResul
 /// An input that fits its topic but whose output, with the guard's headers
 /// (64 bytes here), passes the producer's `message.max.bytes`: the run
 /// stops on it with a hint, and a restart with a larger limit writes it and
-/// the rest, each once.
+/// the rest, each once. Then an output without a key, which a compacted
+/// output topic refuses: a hint that says so.
 #[test]
-fn pipe_stops_on_an_output_too_large_with_a_hint_and_its_restart_writes_it_once() -> TestResult {
+fn pipe_stops_on_an_output_the_broker_refuses_with_a_hint_and_its_restart_writes_it_once()
+-> TestResult {
     // librdkafka's limit is on a record's largest wire size: 36 bytes of
     // framing, the key, the value and the headers. With a 1-byte key the
     // input (no headers) takes 999,967 of the default 1,000,000 and its
@@ -1677,7 +1679,34 @@ fn pipe_stops_on_an_output_too_large_with_a_hint_and_its_restart_writes_it_once(
     )?;
     success(&again, "the run with a larger limit")?;
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
-    check_each_once(&values, 1..=10)
+    check_each_once(&values, 1..=10)?;
+
+    // A record without a key, refused by a compacted output.
+    broker.create_topic("keyless", 1)?;
+    broker.create_topic_with("compacted", 1, &[("cleanup.policy", "compact")])?;
+    let keyless = (1..=3u64).map(|n| NewRecord {
+        value: Some(n.to_string().into_bytes()),
+        ..NewRecord::default()
+    });
+    produce(&bootstrap, "keyless", keyless)?;
+    let mut c = replayguard();
+    c.arg("pipe")
+        .args(["--brokers", &bootstrap, "--group", "compacted"])
+        .args([
+            "--input",
+            "keyless",
+            "--output",
+            "compacted",
+            "--stop-at-end",
+        ])
+        .arg("--state")
+        .arg(state.path().join("compacted"));
+    let line = one_error_line(&run_bounded(&mut c, RUN_LIMIT)?, 1)?;
+    expect_contains(&line, "the output of keyless[0]@0 was not delivered")?;
+    expect_contains(
+        &line,
+        "a compacted topic (cleanup.policy=compact) takes only records with a key",
+    )
 }
 
 /// An output that no broker acknowledges in time (its topic deleted under
