@@ -1379,6 +1379,15 @@ fn bad_arguments_are_usage_errors() -> TestResult {
             &["-X", "fetch.max.bytes=100"],
             "the consumer's configuration is refused by librdkafka: `fetch.max.bytes` must be >= `message.max.bytes`",
         ),
+        // A lease the group does not honour: 6 s sessions, 1 s heartbeats.
+        (
+            &["--lease", "6s"],
+            "the lease (6s) is longer than the group waits for a silent member, 5s",
+        ),
+        (
+            &["--lease", "20s", "-X", "session.timeout.ms=20000"],
+            "the lease (20s) is longer than the group waits for a silent member",
+        ),
     ] {
         let out = run_bounded(
             replayguard().args(base).args(extra),

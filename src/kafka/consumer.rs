@@ -124,7 +124,7 @@ impl GuardedConsumerBuilder {
         let group = setup::group_id(&self.config)?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
-        setup::check_consumer_config(&self.config, o.stop_at_end)?;
+        setup::check_consumer_config(&self.config, o.stop_at_end, o.lease)?;
         let counts = setup::probe_topics(&self.config, &topics, o.connect_attempts)?;
         let guard = o.open(&self.state)?;
         let job = Job::new(JobKind::Consumer, &group, &self.topics, o.identity.label())

@@ -149,7 +149,10 @@ impl GuardOptions {
     /// less the heartbeat interval less a tenth (at least 1 s), 4 s with
     /// the adapters' defaults; 5 s under `group.protocol=consumer`, whose
     /// session timeout is the broker's. It must stay below the time the
-    /// coordinator takes to expire a silent member. Bounds: 100 ms to 1 h.
+    /// coordinator takes to expire a silent member: under the classic group
+    /// protocol, a lease longer than `session.timeout.ms` less
+    /// `heartbeat.interval.ms` is refused ([`Error::Config`] at build).
+    /// Bounds: 100 ms to 1 h.
     pub fn lease(mut self, d: Duration) -> Self {
         self.lease = Some(d);
         self

@@ -257,11 +257,16 @@ pub(crate) fn check_client_config<C: rdkafka::config::FromClientConfig>(
 ///
 /// # Errors
 /// [`Error::Config`] for a configuration librdkafka refuses.
-pub(crate) fn check_consumer_config(user: &ClientConfig, stop_at_end: bool) -> Result<()> {
-    check_client_config::<BaseConsumer>(
-        &guarded_consumer_config(user, "probe", stop_at_end)?,
-        "consumer",
-    )?;
+pub(crate) fn check_consumer_config(
+    user: &ClientConfig,
+    stop_at_end: bool,
+    lease: Option<Duration>,
+) -> Result<()> {
+    let cfg = guarded_consumer_config(user, "probe", stop_at_end)?;
+    check_client_config::<BaseConsumer>(&cfg, "consumer")?;
+    if let Some(lease) = lease {
+        check_lease(&cfg, lease)?;
+    }
     if user
         .get("isolation.level")
         .is_some_and(|v| v.eq_ignore_ascii_case("read_uncommitted"))
@@ -269,6 +274,30 @@ pub(crate) fn check_consumer_config(user: &ClientConfig, stop_at_end: bool) -> R
         tracing::warn!(
             "isolation.level=read_uncommitted: records of transactions the input's producers aborted are read and handled as any other, so they reach the output; remove the setting to skip them"
         );
+    }
+    Ok(())
+}
+
+/// Refuses a lease (`GuardOptions::lease`) longer than the classic group
+/// waits for a silent member before it gives the member's partitions to
+/// another: its session timeout less one heartbeat interval (the last
+/// heartbeat may have come that long before a stall began). A stall
+/// between the two would let the instance write after its successor
+/// began, which is what the lease is for. Under `group.protocol=consumer`
+/// the session timeout is the broker's, unknown here.
+fn check_lease(cfg: &ClientConfig, lease: Duration) -> Result<()> {
+    if uses_consumer_protocol(cfg) {
+        return Ok(());
+    }
+    let session = millis(cfg, "session.timeout.ms", 45_000);
+    let heartbeat = millis(cfg, "heartbeat.interval.ms", 3_000);
+    let most = session.saturating_sub(heartbeat);
+    if lease > most {
+        return Err(Error::Config(format!(
+            "the lease ({lease:?}) is longer than the group waits for a silent member, {most:?} (session.timeout.ms {} less heartbeat.interval.ms {}): an instance stalled between the two would still write after the group gave its partitions to another; shorten the lease or raise session.timeout.ms",
+            session.as_millis(),
+            heartbeat.as_millis()
+        )));
     }
     Ok(())
 }

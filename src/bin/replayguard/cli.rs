@@ -123,7 +123,8 @@ pub struct GuardArgs {
     /// instance still hands on work; after a longer one it stops (default:
     /// the session timeout less the heartbeat interval less a margin, 4 s
     /// with the defaults; 5 s with `-X group.protocol=consumer`). Keep it
-    /// below the time the broker takes to expire a silent member.
+    /// below the time the broker takes to expire a silent member: longer
+    /// than the session timeout less the heartbeat interval, it is refused.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub lease: Option<Duration>,
 

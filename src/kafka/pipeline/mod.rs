@@ -181,7 +181,7 @@ impl GuardedPipelineBuilder {
             Duration::ZERO
         };
         setup::check_client_config::<BaseProducer>(&producer_cfg, "output producer")?;
-        setup::check_consumer_config(&self.consumer, o.stop_at_end)?;
+        setup::check_consumer_config(&self.consumer, o.stop_at_end, o.lease)?;
         let mut topics: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
         topics.push(&output);
         setup::check_changelog_apart(o.changelog.as_deref(), &topics)?;
