@@ -1343,6 +1343,8 @@ fn bad_arguments_are_usage_errors() -> TestResult {
         (&["--identity", "header:"], "--identity"),
         (&["--mode", "exactly-twice"], "--mode"),
         (&["-X", "linger.ms"], "-X"),
+        (&["-X", "group.id=another"], "-X"),
+        (&["-X", "bootstrap.servers=127.0.0.1:2"], "-X"),
         (&["--retention-epochs=-1"], "--retention-epochs"),
     ] {
         let out = run_bounded(

@@ -348,7 +348,20 @@ fn config_text(e: replayguard::Error) -> String {
 
 fn parse_property(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        Some((k, v)) if !k.trim().is_empty() => {
+            let k = k.trim();
+            // The flags set these after every -X, which would be dropped
+            // without a word.
+            let flag = match k {
+                "group.id" => Some("--group"),
+                "bootstrap.servers" | "metadata.broker.list" => Some("--brokers"),
+                _ => None,
+            };
+            match flag {
+                Some(flag) => Err(format!("{k} is set by {flag}, not by -X")),
+                None => Ok((k.to_owned(), v.to_owned())),
+            }
+        }
         _ => Err(format!("expected KEY=VALUE, got {s:?}")),
     }
 }
