@@ -250,13 +250,15 @@ pub(crate) fn check_client_config<C: rdkafka::config::FromClientConfig>(
 }
 
 /// Checks the guarded consumer's configuration made from `user`
-/// ([`check_client_config`]), and warns of a consumer told to read
-/// uncommitted records: it reads the records of transactions the input's
-/// producers aborted, and the guard handles them as any other
-/// (librdkafka's default, `read_committed`, skips them).
+/// ([`check_client_config`]) and a `lease` the user set against it
+/// ([`check_lease`]), and warns of a consumer told to read uncommitted
+/// records: it reads the records of transactions the input's producers
+/// aborted, and the guard handles them as any other (librdkafka's default,
+/// `read_committed`, skips them).
 ///
 /// # Errors
-/// [`Error::Config`] for a configuration librdkafka refuses.
+/// [`Error::Config`] for a configuration librdkafka refuses, or a lease
+/// the group does not honour.
 pub(crate) fn check_consumer_config(
     user: &ClientConfig,
     stop_at_end: bool,
