@@ -1381,6 +1381,10 @@ fn bad_arguments_are_usage_errors() -> TestResult {
             &["-X", "fetch.max.bytes=100"],
             "the consumer's configuration is refused by librdkafka: `fetch.max.bytes` must be >= `message.max.bytes`",
         ),
+        (
+            &["--input", "in"],
+            "topic \"in\" is named twice among the inputs",
+        ),
         // A lease the group does not honour: 6 s sessions, 1 s heartbeats.
         (
             &["--lease", "6s"],
@@ -1410,6 +1414,10 @@ fn bad_arguments_are_usage_errors() -> TestResult {
     expect_contains(
         &one_error_line(&consume(&["-X", "fetch.max.bytes=100"])?, 2)?,
         "the consumer's configuration is refused by librdkafka",
+    )?;
+    expect_contains(
+        &one_error_line(&consume(&["--topic", "t"])?, 2)?,
+        "topic \"t\" is named twice among the topics",
     )?;
     if Path::new(state).exists() {
         return Err("a usage error created the state folder".into());

@@ -116,6 +116,7 @@ impl GuardedConsumerBuilder {
         if self.topics.is_empty() {
             return Err(Error::Config("no topic given".into()));
         }
+        setup::check_named_once(&self.topics, "topics")?;
         let o = &self.options;
         o.validate()?;
         // First, so that an endpoint serving already shows every series,

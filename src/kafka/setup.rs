@@ -447,6 +447,21 @@ pub(crate) fn check_changelog_apart(changelog: Option<&str>, topics: &[&str]) ->
     }
 }
 
+/// Refuses a topic named more than once among `topics` (the `what` of the
+/// job: its inputs, its topics), which librdkafka refuses only when the
+/// consumer subscribes, after the state folder is made, and then as an
+/// "invalid argument" that names nothing.
+pub(crate) fn check_named_once(topics: &[String], what: &str) -> Result<()> {
+    for (i, topic) in topics.iter().enumerate() {
+        if topics[..i].contains(topic) {
+            return Err(Error::Config(format!(
+                "topic {topic:?} is named twice among the {what}; name each once"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Waits for the brokers to answer and checks that every topic exists, with
 /// bounded retries; a name that is not a topic name is refused first.
 ///

@@ -142,6 +142,7 @@ impl GuardedPipelineBuilder {
         if self.inputs.is_empty() {
             return Err(Error::Config("no input topic given".into()));
         }
+        setup::check_named_once(&self.inputs, "inputs")?;
         if self.inputs.contains(&output) {
             return Err(Error::Config(format!(
                 "topic {output:?} is both an input and the output: the pipeline would copy its own output into itself without end; write to another topic"
