@@ -1419,6 +1419,23 @@ fn bad_arguments_are_usage_errors() -> TestResult {
         &one_error_line(&consume(&["--topic", "t"])?, 2)?,
         "topic \"t\" is named twice among the topics",
     )?;
+    // No group, no broker: said so, not librdkafka's words for them.
+    let named = |brokers: &str, group: &str| {
+        run_bounded(
+            replayguard()
+                .args(["consume", "--brokers", brokers, "--group", group])
+                .args(["--topic", "t", "--state", state]),
+            Duration::from_secs(10),
+        )
+    };
+    expect_contains(
+        &one_error_line(&named("127.0.0.1:1", "")?, 2)?,
+        "the consumer group's name (group.id) is empty",
+    )?;
+    expect_contains(
+        &one_error_line(&named(" , ", "g")?, 2)?,
+        "no broker is named",
+    )?;
     if Path::new(state).exists() {
         return Err("a usage error created the state folder".into());
     }

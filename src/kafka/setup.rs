@@ -49,9 +49,34 @@ pub(crate) fn brokers(cfg: &ClientConfig) -> String {
 
 /// The consumer group of a configuration; a guard needs one.
 pub(crate) fn group_id(cfg: &ClientConfig) -> Result<String> {
-    cfg.get("group.id")
-        .map(str::to_owned)
-        .ok_or_else(|| Error::Config("the consumer configuration has no group.id; set one".into()))
+    match cfg.get("group.id") {
+        // librdkafka makes no consumer for an empty one, and says only
+        // that its queue is not available.
+        Some(g) if g.trim().is_empty() => Err(Error::Config(
+            "the consumer group's name (group.id) is empty; name the group".into(),
+        )),
+        Some(g) => Ok(g.to_owned()),
+        None => Err(Error::Config(
+            "the consumer configuration has no group.id; set one".into(),
+        )),
+    }
+}
+
+/// Refuses a configuration that names no broker: librdkafka would try to
+/// reach none, and the broker probe would wait its whole patience.
+pub(crate) fn check_brokers(cfg: &ClientConfig) -> Result<()> {
+    let named = cfg
+        .get("bootstrap.servers")
+        .or_else(|| cfg.get("metadata.broker.list"))
+        .is_some_and(|list| list.split(',').any(|b| !b.trim().is_empty()));
+    if named {
+        Ok(())
+    } else {
+        Err(Error::Config(
+            "no broker is named (bootstrap.servers is empty); name at least one, as host:port"
+                .into(),
+        ))
+    }
 }
 
 /// Applies the settings a guarded consumer needs. `instance` is the static
@@ -264,6 +289,7 @@ pub(crate) fn check_consumer_config(
     stop_at_end: bool,
     lease: Option<Duration>,
 ) -> Result<()> {
+    check_brokers(user)?;
     let cfg = guarded_consumer_config(user, "probe", stop_at_end)?;
     check_client_config::<BaseConsumer>(&cfg, "consumer")?;
     if let Some(lease) = lease {
