@@ -2048,3 +2048,81 @@ fn stop_at_end_ends_on_an_input_with_nothing_left_to_read() -> TestResult {
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
     check_each_once(&values, (1..=100).chain(201..=260))
 }
+
+/// Partitions added to the output while a pipeline runs hold outputs too:
+/// an instance built before they were added, taking over the partitions of
+/// one killed before its first checkpoint, reconciles them as well. Before,
+/// its reconciliation read the partitions the output had when it was
+/// built, missed what the killed instance wrote to the new ones, and wrote
+/// those again.
+#[test]
+fn a_pipe_taking_over_reconciles_output_partitions_added_since_it_began() -> TestResult {
+    // Of eight input partitions the second instance takes four, so at
+    // least two it copies either to an added partition of the same number
+    // or by key over all four.
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 8), ("out", 2)])?;
+    let bootstrap = broker.bootstrap();
+    let dir = tempfile::tempdir()?;
+    let long = ["--checkpoint-interval", "1h"];
+    let copied = |n: usize| {
+        wait_until("the copies", RUN_LIMIT, || {
+            let mut seen = BTreeSet::new();
+            seen.extend(integers(&read_topic(
+                &bootstrap,
+                "out",
+                PyClient::Confluent,
+            )?)?);
+            Ok(seen.len() >= n)
+        })
+    };
+    let (mut first, first_log) = spawn_logged(&mut kafka_pipe(
+        &bootstrap,
+        "grow",
+        &dir.path().join("first"),
+        &long,
+    ))?;
+    let run = (|| -> TestResult<u64> {
+        produce_integers(&bootstrap, "in", 1..=20)?;
+        copied(20)?;
+        broker.add_partitions("out", 4)?;
+        // Built now, the second knows all four output partitions; the
+        // first's producer keeps to two until it refreshes its metadata.
+        let (mut second, _second_log) = spawn_logged(&mut kafka_pipe(
+            &bootstrap,
+            "grow",
+            &dir.path().join("second"),
+            &long,
+        ))?;
+        let mut written = 20;
+        let started = Instant::now();
+        while end_offsets(&bootstrap, "out")?
+            .range(2..)
+            .map(|(_, n)| n)
+            .sum::<i64>()
+            == 0
+        {
+            if started.elapsed() > RUN_LIMIT {
+                let _ = second.kill();
+                return Err("the second instance wrote to no added partition".into());
+            }
+            produce_integers(&bootstrap, "in", written + 1..=written + 20)?;
+            written += 20;
+            copied(written as usize)?;
+        }
+        // Killed before its first checkpoint: the first takes its input
+        // partitions over, waits for its outputs in flight and reconciles.
+        second.kill()?;
+        second.wait()?;
+        produce_integers(&bootstrap, "in", written + 1..=written + 40)?;
+        written += 40;
+        copied(written as usize)?;
+        Ok(written)
+    })();
+    let (status, stderr) = terminate(&mut first, first_log)?;
+    let written = run?;
+    if !status?.success() {
+        return Err(format!("the first instance did not exit 0 on SIGTERM: {stderr}").into());
+    }
+    let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
+    check_each_once(&values, 1..=written)
+}

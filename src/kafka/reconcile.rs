@@ -69,6 +69,22 @@ impl Reconciler {
         })
     }
 
+    /// The output's partitions now. Partitions added to it since the
+    /// pipeline was built hold outputs too: another instance's producer
+    /// (or this one's, once it refreshed its metadata) writes to them.
+    fn output_partitions(&self) -> Result<usize> {
+        let md = patiently(self.timeout, || {
+            self.reader.fetch_metadata(Some(&self.topic), self.timeout)
+        })
+        .map_err(kafka("reading the output topic's metadata"))?;
+        let now = md
+            .topics()
+            .iter()
+            .find(|t| t.name() == self.topic)
+            .map_or(0, |t| t.partitions().len());
+        Ok(now.max(self.partitions))
+    }
+
     /// Every output up to `scanned` is now accounted for: its input is
     /// recorded in the open epoch, which the next checkpoint writes together
     /// with the manifest. So the sink position may move there.
@@ -124,7 +140,7 @@ impl Reconciler {
             targets: BTreeMap::new(),
             scanned: BTreeMap::new(),
         };
-        for p in 0..self.partitions as i32 {
+        for p in 0..self.output_partitions()? as i32 {
             let from = manifest
                 .into_iter()
                 .chain(commits.iter())
