@@ -2126,3 +2126,60 @@ fn a_pipe_taking_over_reconciles_output_partitions_added_since_it_began() -> Tes
     let values = integers(&read_topic(&bootstrap, "out", PyClient::Confluent)?)?;
     check_each_once(&values, 1..=written)
 }
+
+/// An input that gains partitions while `consume --changelog` runs: the
+/// changelog keeps input partition p in its partition p, which it lacks.
+/// The run stops saying what to add (before, "cannot read its watermarks
+/// (was it deleted?)"), and once the changelog has it, the next run reads
+/// the rest.
+#[test]
+fn an_input_growing_past_its_changelog_stops_saying_what_to_add() -> TestResult {
+    let broker = replayguard_testkit::KafkaBroker::start(&[("in", 2)])?;
+    let bootstrap = broker.bootstrap();
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let reading = |extra: &[&str]| {
+        let mut c = replayguard();
+        c.arg("consume")
+            .args(["--brokers", &bootstrap, "--group", "g", "--topic", "in"])
+            .args(["--changelog", "identities", "--format", "%s\n"])
+            .args(["--checkpoint-interval", "200ms"])
+            .args(["-X", "topic.metadata.refresh.interval.ms=1000"])
+            .arg("--state")
+            .arg(&state)
+            .args(extra);
+        c
+    };
+    produce_integers(&bootstrap, "in", 1..=20)?;
+    let mut first = reading(&[]);
+    let running = thread::spawn(move || run_bounded(&mut first, RUN_LIMIT));
+    wait_until("the first run committed its reading", RUN_LIMIT, || {
+        // The group's coordinator may not answer yet (NOT_COORDINATOR).
+        Ok(
+            committed_offsets(&bootstrap, "in", "g", PyClient::Confluent)
+                .is_ok_and(|offsets| offsets.values().flatten().sum::<i64>() >= 20),
+        )
+    })?;
+    broker.add_partitions("in", 3)?;
+    produce_integers(&bootstrap, "in", 21..=60)?;
+    let first = running
+        .join()
+        .map_err(|_| "the first run's thread panicked")??;
+    expect_contains(
+        &one_error_line(&first, 1)?,
+        "it has no partition 2, where input partition 2 keeps its identities",
+    )?;
+    broker.add_partitions("identities", 3)?;
+    let second = run_bounded(&mut reading(&["--stop-at-end"]), RUN_LIMIT)?;
+    success(&second, "the run after the changelog grew")?;
+    let mut seen = BTreeSet::new();
+    for out in [&first, &second] {
+        for line in text(&out.stdout).lines() {
+            seen.insert(line.parse::<u64>()?);
+        }
+    }
+    if seen != (1..=60).collect() {
+        return Err(format!("read {} distinct values of 60: {seen:?}", seen.len()).into());
+    }
+    Ok(())
+}

@@ -364,11 +364,16 @@ impl Changelog {
             reader.fetch_watermarks(&self.topic, partition, self.timeout)
         })
         .map_err(|e| {
-            self.error(
-                Some(partition),
-                None,
-                format!("cannot read its watermarks (was it deleted?): {e}"),
-            )
+            let what = if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) {
+                // Made with as many partitions as the inputs had then.
+                format!(
+                    "it has no partition {partition}, where input partition {partition} keeps its identities: an input gained partitions since the changelog was made; give the changelog at least {} partitions, then start again",
+                    partition + 1
+                )
+            } else {
+                format!("cannot read its watermarks (was it deleted?): {e}")
+            };
+            self.error(Some(partition), None, what)
         })?;
         if let Some(end) = local_end {
             if hi < end {
