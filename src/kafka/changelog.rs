@@ -40,7 +40,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 use super::setup::{self, kafka};
 use super::shared::Shared;
-use super::trouble::patiently;
+use super::trouble::watermarks;
 use crate::changelog::{ChangelogKey, Shipment, Shipped, decode_value, encode_value};
 use crate::error::{Error, Result};
 use crate::guard::LaneId;
@@ -360,10 +360,7 @@ impl Changelog {
         partition: i32,
         local_end: Option<i64>,
     ) -> Result<Restored> {
-        let (lo, hi) = patiently(self.timeout, || {
-            reader.fetch_watermarks(&self.topic, partition, self.timeout)
-        })
-        .map_err(|e| {
+        let (lo, hi) = watermarks(reader, &self.topic, partition, self.timeout).map_err(|e| {
             let what = if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) {
                 // Made with as many partitions as the inputs had then.
                 format!(
@@ -522,10 +519,8 @@ impl Changelog {
                 Ok(m) => m,
                 Err(KafkaError::PartitionEOF(_)) => {
                     // Compaction may have removed the last records.
-                    let (_, now_hi) = patiently(self.timeout, || {
-                        reader.fetch_watermarks(&self.topic, partition, self.timeout)
-                    })
-                    .map_err(kafka("reading changelog watermarks"))?;
+                    let (_, now_hi) = watermarks(reader, &self.topic, partition, self.timeout)
+                        .map_err(kafka("reading changelog watermarks"))?;
                     if let Ok(pos) = reader.position()
                         && let Some(Offset::Offset(p)) = pos
                             .find_partition(&self.topic, partition)

@@ -26,7 +26,7 @@ use rdkafka::types::RDKafkaRespErr;
 use super::lease::Lease;
 use super::setup::{self, kafka};
 use super::shared::{Held, Offered, Partition, Position, Refusal, Shared, SinkPositions};
-use super::trouble::patiently;
+use super::trouble::{patiently, watermarks};
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, Identity};
 
@@ -766,12 +766,12 @@ impl Core {
         for (topic, p, start) in starts {
             let offset = match start {
                 Some(o) => *o,
+                // Under `latest` every start was pinned on arrival
+                // (`start_at_ends`): one with none starts at the log's start.
                 None => {
-                    let (low, high) = patiently(self.timeout, || {
-                        consumer.fetch_watermarks(topic, *p, self.timeout)
-                    })
-                    .map_err(kafka("reading input watermarks"))?;
-                    if self.start_at_end { high } else { low }
+                    watermarks(consumer, topic, *p, self.timeout)
+                        .map_err(kafka("reading input watermarks"))?
+                        .0
                 }
             };
             positions.push((topic.clone(), *p, offset));
@@ -960,10 +960,8 @@ impl Core {
             (a, b) => a.or(b),
         };
         if let Some(known) = start.filter(|o| *o > 0) {
-            let (_, hi) = patiently(self.timeout, || {
-                consumer.fetch_watermarks(&topic, p, self.timeout)
-            })
-            .map_err(kafka("reading input watermarks"))?;
+            let (_, hi) = watermarks(consumer, &topic, p, self.timeout)
+                .map_err(kafka("reading input watermarks"))?;
             if hi < known {
                 return Err(Error::TopicRewound {
                     topic,

@@ -19,7 +19,7 @@ use super::context::{Core, position_in};
 use super::headers::{SourcePosition, read_guard_headers};
 use super::setup::kafka;
 use super::shared::SinkPositions;
-use super::trouble::patiently;
+use super::trouble::{patiently, watermarks};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
@@ -147,10 +147,8 @@ impl Reconciler {
                 .filter(|s| s.topic == self.topic)
                 .filter_map(|s| s.ends.get(&p).copied())
                 .min();
-            let (lo, hi) = patiently(self.timeout, || {
-                self.reader.fetch_watermarks(&self.topic, p, self.timeout)
-            })
-            .map_err(kafka("reading output watermarks"))?;
+            let (lo, hi) = watermarks(&self.reader, &self.topic, p, self.timeout)
+                .map_err(kafka("reading output watermarks"))?;
             if let Some(known) = from
                 && hi < known
             {

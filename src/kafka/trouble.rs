@@ -92,6 +92,18 @@ pub(crate) fn patiently<T>(
     }
 }
 
+/// A partition's low and high watermarks, asked [`patiently`].
+pub(crate) fn watermarks<C: rdkafka::consumer::ConsumerContext>(
+    consumer: &impl rdkafka::consumer::Consumer<C>,
+    topic: &str,
+    partition: i32,
+    timeout: Duration,
+) -> rdkafka::error::KafkaResult<(i64, i64)> {
+    patiently(timeout, || {
+        consumer.fetch_watermarks(topic, partition, timeout)
+    })
+}
+
 /// Whether a client-wide error (librdkafka's error callback) means the
 /// connection cannot work: refused credentials, a TLS failure, or an error
 /// librdkafka itself calls fatal. Every other client-wide error is a
