@@ -1345,6 +1345,7 @@ fn bad_arguments_are_usage_errors() -> TestResult {
         (&["-X", "linger.ms"], "-X"),
         (&["-X", "group.id=another"], "-X"),
         (&["-X", "bootstrap.servers=127.0.0.1:2"], "-X"),
+        (&["-X", "enable.auto.commit=true"], "-X"),
         (&["--retention-epochs=-1"], "--retention-epochs"),
     ] {
         let out = run_bounded(
@@ -1384,6 +1385,22 @@ fn bad_arguments_are_usage_errors() -> TestResult {
         (
             &["--input", "in"],
             "topic \"in\" is named twice among the inputs",
+        ),
+        // A baseline keeps no identities: a retention would do nothing.
+        (
+            &["--mode", "at-least-once", "--retention-time", "1h"],
+            "retention_time is for the guarded mode only",
+        ),
+        (
+            &[
+                "--mode",
+                "transactional",
+                "--max-memory",
+                "1GiB",
+                "--changelog",
+                "c",
+            ],
+            "max_memory_bytes, changelog are for the guarded mode only",
         ),
         // A lease the group does not honour: 6 s sessions, 1 s heartbeats.
         (

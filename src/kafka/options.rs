@@ -214,6 +214,22 @@ impl GuardOptions {
         self
     }
 
+    /// The options set here that only the guarded mode uses, by name:
+    /// the baselines keep no identities and hold no lease, so they would
+    /// drop them without a word.
+    pub(crate) fn guard_only(&self) -> Vec<&'static str> {
+        [
+            ("retention_epochs", self.retention_epochs != 0),
+            ("retention_time", self.retention_time.is_some()),
+            ("max_memory_bytes", self.max_memory_bytes.is_some()),
+            ("changelog", self.changelog.is_some()),
+            ("lease", self.lease.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect()
+    }
+
     /// Checks every option against its bounds (the engine checks its own
     /// when it opens).
     ///

@@ -109,8 +109,9 @@ pub struct GuardArgs {
     #[arg(long)]
     pub stop_at_end: bool,
 
-    /// A librdkafka property, `key=value` (repeatable). --brokers and
-    /// --group win over `bootstrap.servers` and `group.id` given here.
+    /// A librdkafka property, `key=value` (repeatable). Not
+    /// `bootstrap.servers` or `group.id` (--brokers and --group set them),
+    /// nor auto-commit: offsets are committed at each checkpoint.
     #[arg(short = 'X', value_name = "KEY=VALUE", value_parser = parse_property)]
     pub properties: Vec<(String, String)>,
 
@@ -357,8 +358,15 @@ fn parse_property(s: &str) -> Result<(String, String), String> {
                 "bootstrap.servers" | "metadata.broker.list" => Some("--brokers"),
                 _ => None,
             };
+            // The guard commits at its checkpoints and turns these off;
+            // on, they would commit records not yet handled.
+            let auto = matches!(k, "enable.auto.commit" | "enable.auto.offset.store")
+                && v.trim() == "true";
             match flag {
                 Some(flag) => Err(format!("{k} is set by {flag}, not by -X")),
+                None if auto => Err(format!(
+                    "{k}=true is refused: replayguard commits offsets itself, at each checkpoint"
+                )),
                 None => Ok((k.to_owned(), v.to_owned())),
             }
         }

@@ -174,6 +174,14 @@ impl GuardedPipelineBuilder {
                 .unwrap_or_else(|| setup::connection_config(&self.consumer)),
         )?;
         let guarded = self.mode == Mode::Guarded;
+        let unused = o.guard_only();
+        if !guarded && !unused.is_empty() {
+            return Err(Error::Config(format!(
+                "{} {} for the guarded mode only: the baselines keep no identities and hold no lease",
+                unused.join(", "),
+                if unused.len() == 1 { "is" } else { "are" },
+            )));
+        }
         let fenced = guarded && !setup::fault("no-fencing");
         // How long an output can stay in flight (zero when unbounded).
         let in_flight = if fenced {
@@ -206,12 +214,6 @@ impl GuardedPipelineBuilder {
                 &token,
                 &meters,
             )?,
-            _ if o.changelog.is_some() => {
-                return Err(Error::Config(
-                    "changelog is for the guarded mode only: the baselines keep no identities"
-                        .into(),
-                ));
-            }
             _ => None,
         };
         crate::job::bind(&self.state, &job, o.rebind)?;
