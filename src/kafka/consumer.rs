@@ -166,6 +166,9 @@ impl GuardedConsumerBuilder {
             metadata_taken: Default::default(),
             start_at_end: setup::starts_at_end(&cfg),
             meters,
+            group,
+            static_member: setup::is_static_member(&cfg),
+            watch: Default::default(),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             cfg.create_with_context(GuardContext::new(core.clone(), &cfg))
@@ -480,6 +483,9 @@ impl GuardedConsumer {
         }
         if let Ok(mut t) = self.last_checkpoint.lock() {
             *t = Instant::now();
+        }
+        if let Err(e) = self.core.watch_assignment(&*self.consumer) {
+            return Err(self.core.stop(e));
         }
         self.core
             .meters

@@ -6,7 +6,7 @@
 //! does (flushing its producer, reconciling its output, committing inside a
 //! transaction) it asks of the adapter through [`Hooks`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -108,6 +108,53 @@ pub(crate) struct Core {
     pub start_at_end: bool,
     /// This guard's metric series (the same as `Shared::meters`).
     pub meters: Arc<super::telemetry::Meters>,
+    /// The consumer group.
+    pub group: String,
+    /// Whether this instance is a static member of a classic group
+    /// (`group.instance.id`), whose rejoins keep the group's old
+    /// assignment ([`Core::watch_assignment`]).
+    pub static_member: bool,
+    /// When the group's assignment was last checked, and the partitions it
+    /// left out then.
+    pub watch: std::sync::Mutex<(Option<Instant>, BTreeSet<Partition>)>,
+}
+
+/// How often a static member checks that its group's assignment covers
+/// every partition of the inputs.
+const WATCH_EVERY: Duration = Duration::from_secs(10);
+
+/// The partitions of a member's assignment as the classic consumer
+/// protocol encodes it: a 16-bit version, then an array (32-bit count) of
+/// topics, each a string (16-bit length) and an array of 32-bit partition
+/// numbers, then user data, which is not read. Empty bytes are an empty
+/// assignment. `None` if the bytes do not parse.
+fn assignment_partitions(bytes: &[u8]) -> Option<Vec<Partition>> {
+    fn take<'a>(r: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = r.split_at_checked(n)?;
+        *r = rest;
+        Some(head)
+    }
+    fn int(r: &mut &[u8], n: usize) -> Option<i64> {
+        let b = take(r, n)?;
+        Some(match n {
+            2 => i64::from(i16::from_be_bytes([b[0], b[1]])),
+            _ => i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]])),
+        })
+    }
+    let mut r = bytes;
+    let mut out = Vec::new();
+    if r.is_empty() {
+        return Some(out);
+    }
+    int(&mut r, 2)?;
+    for _ in 0..int(&mut r, 4)?.max(0) {
+        let len = usize::try_from(int(&mut r, 2)?).ok()?;
+        let topic = std::str::from_utf8(take(&mut r, len)?).ok()?.to_owned();
+        for _ in 0..int(&mut r, 4)?.max(0) {
+            out.push((topic.clone(), i32::try_from(int(&mut r, 4)?).ok()?));
+        }
+    }
+    Some(out)
 }
 
 /// Offsets to commit, with metadata, as librdkafka takes them.
@@ -342,17 +389,19 @@ impl Core {
         }
     }
 
-    fn group_read_to_end(&self, consumer: &impl Consumer<GuardContext>) -> Result<bool> {
-        // Each request briefly: the run loop waits for them, and a stop
-        // asked meanwhile waits too.
-        const ASK: Duration = Duration::from_secs(2);
+    /// Every partition of the subscribed topics, as the broker's metadata
+    /// has them now.
+    fn subscribed_partitions(
+        consumer: &impl Consumer<GuardContext>,
+        ask: Duration,
+    ) -> Result<Vec<(Partition, Option<i64>)>> {
         let topics = consumer
             .subscription()
             .map_err(kafka("reading the subscription"))?;
         let mut all: Vec<(Partition, Option<i64>)> = Vec::new();
         for e in topics.elements() {
             let md = consumer
-                .fetch_metadata(Some(e.topic()), ASK)
+                .fetch_metadata(Some(e.topic()), ask)
                 .map_err(kafka("reading the input's metadata"))?;
             for t in md.topics().iter().filter(|t| t.name() == e.topic()) {
                 all.extend(
@@ -362,6 +411,115 @@ impl Core {
                 );
             }
         }
+        Ok(all)
+    }
+
+    /// The partitions of the subscribed topics that no member of the
+    /// group is assigned, as the group's coordinator describes a stable
+    /// group; `None` when it cannot tell (a rebalance under way, a request
+    /// refused or unanswered, an assignment it cannot read).
+    fn unassigned(&self, consumer: &impl Consumer<GuardContext>) -> Option<BTreeSet<Partition>> {
+        const ASK: Duration = Duration::from_secs(2);
+        let all = Self::subscribed_partitions(consumer, ASK)
+            .inspect_err(|e| tracing::debug!(error = %e, "reading the inputs' partitions failed"))
+            .ok()?;
+        let groups = consumer
+            .fetch_group_list(Some(&self.group), ASK)
+            .inspect_err(|e| tracing::debug!(error = %e, "describing the group failed"))
+            .ok()?;
+        let group = groups.groups().iter().find(|g| g.name() == self.group)?;
+        if group.state() != "Stable" || group.protocol_type() != "consumer" {
+            return None;
+        }
+        let mut taken = BTreeSet::new();
+        for m in group.members() {
+            taken.extend(assignment_partitions(m.assignment().unwrap_or_default())?);
+        }
+        Some(
+            all.into_iter()
+                .map(|(tp, _)| tp)
+                .filter(|tp| !taken.contains(tp))
+                .collect(),
+        )
+    }
+
+    /// For a static member: checks, at most every `WATCH_EVERY`, that the
+    /// group's assignment covers every partition of the inputs, and
+    /// rejoins the group when the same partitions were left out at two
+    /// checks in a row.
+    ///
+    /// A static member that rejoins a stable group (a restart within the
+    /// session timeout) gets its old assignment back without a rebalance.
+    /// If partitions were added to an input since, and this member leads
+    /// the group, they are never assigned: the member's view of the topic
+    /// is taken as it rejoins, so its metadata refreshes see no change.
+    /// Kafka lets such a leader know that it skipped the assignment
+    /// (KIP-814), which librdkafka does not act on. Seen on Kafka 4.4: a
+    /// partition added while the only instance was stopped for a moment
+    /// was not read, with `topic.metadata.refresh.interval.ms` at 1 s,
+    /// for as long as it ran.
+    pub fn watch_assignment(&self, consumer: &impl Consumer<GuardContext>) -> Result<()> {
+        if !self.static_member {
+            return Ok(());
+        }
+        {
+            let mut w = self.watch_lock();
+            if w.0.is_some_and(|t| t.elapsed() < WATCH_EVERY) {
+                return Ok(());
+            }
+            w.0 = Some(Instant::now());
+        }
+        let Some(now) = self.unassigned(consumer) else {
+            return Ok(());
+        };
+        let again: Vec<Partition> = {
+            let mut w = self.watch_lock();
+            let again = now.intersection(&w.1).cloned().collect();
+            w.1 = now;
+            again
+        };
+        if again.is_empty() {
+            return Ok(());
+        }
+        self.rejoin(consumer, &again)
+    }
+
+    fn watch_lock(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, BTreeSet<Partition>)> {
+        self.watch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Leaves the group's assignment and subscribes again, so that the
+    /// group rebalances over the topics as they are now: the partitions
+    /// assigned to this instance are revoked, with a checkpoint, and the
+    /// new assignment follows.
+    fn rejoin(&self, consumer: &impl Consumer<GuardContext>, missing: &[Partition]) -> Result<()> {
+        let named: Vec<String> = missing.iter().map(|(t, p)| format!("{t}[{p}]")).collect();
+        tracing::warn!(
+            partitions = %named.join(", "),
+            "input partitions are assigned to no member of the group (a static member that rejoined got its old assignment back, without partitions added since): rejoining so that the group assigns them"
+        );
+        let topics: Vec<String> = consumer
+            .subscription()
+            .map_err(kafka("reading the subscription"))?
+            .elements()
+            .iter()
+            .map(|e| e.topic().to_owned())
+            .collect();
+        let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
+        self.watch_lock().1.clear();
+        consumer.unsubscribe();
+        consumer
+            .subscribe(&topics)
+            .map_err(kafka("subscribing again"))
+    }
+
+    fn group_read_to_end(&self, consumer: &impl Consumer<GuardContext>) -> Result<bool> {
+        // Each request briefly: the run loop waits for them, and a stop
+        // asked meanwhile waits too.
+        const ASK: Duration = Duration::from_secs(2);
+        let all = Self::subscribed_partitions(consumer, ASK)?;
         if all.is_empty() {
             return Ok(false);
         }
@@ -447,7 +605,7 @@ impl Core {
             }
         }
         if short.is_empty() {
-            return Ok(true);
+            return self.covered(consumer);
         }
         // Short of its end, a partition may still have nothing it can
         // read: its log starts at its end (retention deleted every record),
@@ -473,7 +631,25 @@ impl Core {
                 return Ok(false);
             }
         }
-        Ok(true)
+        self.covered(consumer)
+    }
+
+    /// With every assigned partition at its end: whether the group's
+    /// assignment covers the inputs, so that the end is the inputs' end.
+    /// Otherwise (see [`Core::watch_assignment`]) it rejoins the group at
+    /// once, and the end waits for the partitions it is given.
+    fn covered(&self, consumer: &impl Consumer<GuardContext>) -> Result<bool> {
+        if !self.static_member {
+            return Ok(true);
+        }
+        match self.unassigned(consumer) {
+            Some(missing) if !missing.is_empty() => {
+                let missing: Vec<Partition> = missing.into_iter().collect();
+                self.rejoin(consumer, &missing)?;
+                Ok(false)
+            }
+            _ => Ok(true),
+        }
     }
 
     /// The error that stops the guard for a consumer error that does not
@@ -1406,5 +1582,46 @@ impl ConsumerContext for GuardContext {
         // can reach the group after it terminated, which drops it
         // unanswered, and the call never returns, so neither does the close.
         self.core.publish_partitions();
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::assignment_partitions;
+
+    /// A consumer protocol assignment: version 1, topics with their
+    /// partitions, then null user data.
+    fn encoded(topics: &[(&str, &[i32])]) -> Vec<u8> {
+        let mut b = 1i16.to_be_bytes().to_vec();
+        b.extend((topics.len() as i32).to_be_bytes());
+        for (name, partitions) in topics {
+            b.extend((name.len() as i16).to_be_bytes());
+            b.extend(name.as_bytes());
+            b.extend((partitions.len() as i32).to_be_bytes());
+            for p in *partitions {
+                b.extend(p.to_be_bytes());
+            }
+        }
+        b.extend((-1i32).to_be_bytes());
+        b
+    }
+
+    #[test]
+    fn a_members_assignment_is_read_as_the_consumer_protocol_encodes_it() {
+        let b = encoded(&[("in", &[0, 2]), ("other", &[]), ("more", &[7])]);
+        assert_eq!(
+            assignment_partitions(&b),
+            Some(vec![
+                ("in".to_owned(), 0),
+                ("in".to_owned(), 2),
+                ("more".to_owned(), 7)
+            ])
+        );
+        assert_eq!(assignment_partitions(&[]), Some(vec![]));
+        assert_eq!(assignment_partitions(&encoded(&[])), Some(vec![]));
+        // Cut short anywhere inside the topics: not read, not guessed.
+        for cut in 1..b.len() - 4 {
+            assert_eq!(assignment_partitions(&b[..cut]), None, "cut at {cut}");
+        }
     }
 }

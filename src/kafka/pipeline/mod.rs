@@ -271,6 +271,9 @@ impl GuardedPipelineBuilder {
             metadata_taken: Default::default(),
             start_at_end: setup::starts_at_end(&consumer_cfg),
             meters,
+            group: group.clone(),
+            static_member: setup::is_static_member(&consumer_cfg),
+            watch: Default::default(),
         });
         let consumer: Arc<StreamConsumer<GuardContext>> = Arc::new(
             consumer_cfg

@@ -421,6 +421,11 @@ impl GuardedPipeline {
         if let Err(e) = self.core.checkpoint(&*self.consumer, None, mode) {
             return Err(self.core.stop(e));
         }
+        if matches!(mode, CommitMode::Async)
+            && let Err(e) = self.core.watch_assignment(&*self.consumer)
+        {
+            return Err(self.core.stop(e));
+        }
         self.core
             .meters
             .checkpoint_seconds
