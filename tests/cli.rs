@@ -2145,13 +2145,20 @@ fn a_pipe_taking_over_reconciles_output_partitions_added_since_it_began() -> Tes
     check_each_once(&values, 1..=written)
 }
 
-/// An input that gains partitions while `consume --changelog` runs: the
-/// changelog keeps input partition p in its partition p, which it lacks.
-/// The run stops saying what to add (before, "cannot read its watermarks
-/// (was it deleted?)"), and once the changelog has it, the next run reads
-/// the rest.
+/// An input that gains partitions while `consume --changelog` runs, and
+/// then twice while it is stopped for a moment.
+///
+/// - The changelog keeps input partition p in its partition p, so the
+///   guard grows it each time: at the new partition's arrival, and at the
+///   next start. (It stopped, saying "cannot read its watermarks (was it
+///   deleted?)", at the first growth, and refused to start at the
+///   others.)
+/// - A static member restarted within its session timeout gets its old
+///   assignment back, without the partition added meanwhile; the guard
+///   sees the partition assigned to no member and rejoins. (Before, the
+///   run read on without it, and `--stop-at-end` ended without it.)
 #[test]
-fn an_input_growing_past_its_changelog_stops_saying_what_to_add() -> TestResult {
+fn an_input_growing_past_its_changelog_grows_it_and_reads_on() -> TestResult {
     let broker = replayguard_testkit::KafkaBroker::start(&[("in", 2)])?;
     let bootstrap = broker.bootstrap();
     let dir = tempfile::tempdir()?;
@@ -2168,36 +2175,62 @@ fn an_input_growing_past_its_changelog_stops_saying_what_to_add() -> TestResult 
             .args(extra);
         c
     };
-    produce_integers(&bootstrap, "in", 1..=20)?;
-    let mut first = reading(&[]);
-    let running = thread::spawn(move || run_bounded(&mut first, RUN_LIMIT));
-    wait_until("the first run committed its reading", RUN_LIMIT, || {
+    let committed = || {
         // The group's coordinator may not answer yet (NOT_COORDINATOR).
-        Ok(
-            committed_offsets(&bootstrap, "in", "g", PyClient::Confluent)
-                .is_ok_and(|offsets| offsets.values().flatten().sum::<i64>() >= 20),
-        )
+        committed_offsets(&bootstrap, "in", "g", PyClient::Confluent)
+            .map(|offsets| offsets.values().flatten().sum::<i64>())
+            .unwrap_or(0)
+    };
+    // A run in the background, printing into `printed`, until it has
+    // read `n` records (and `then` was done meanwhile); then SIGTERM.
+    let run_until = |printed: &Path, n: i64, then: &dyn Fn() -> TestResult| -> TestResult {
+        let mut child = reading(&[])
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(printed)?)
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let stream = child.stderr.take().ok_or("no stderr")?;
+        let log = thread::spawn(move || std::io::read_to_string(stream).unwrap_or_default());
+        let read = then().and_then(|()| {
+            wait_until("the run read its input", RUN_LIMIT, || Ok(committed() >= n))
+        });
+        let (status, stderr) = terminate(&mut child, log)?;
+        read.map_err(|e| format!("{e}; its stderr:\n{stderr}"))?;
+        if !status?.success() || stderr.contains("ERROR") {
+            return Err(format!("the run did not end cleanly: {stderr}").into());
+        }
+        Ok(())
+    };
+    produce_integers(&bootstrap, "in", 1..=20)?;
+    let first = dir.path().join("first.txt");
+    run_until(&first, 60, &|| {
+        wait_until("the first run committed its reading", RUN_LIMIT, || {
+            Ok(committed() >= 20)
+        })?;
+        broker.add_partitions("in", 3)?;
+        produce_integers(&bootstrap, "in", 21..=60).map(drop)
     })?;
-    broker.add_partitions("in", 3)?;
-    produce_integers(&bootstrap, "in", 21..=60)?;
-    let first = running
-        .join()
-        .map_err(|_| "the first run's thread panicked")??;
-    expect_contains(
-        &one_error_line(&first, 1)?,
-        "it has no partition 2, where input partition 2 keeps its identities",
-    )?;
-    broker.add_partitions("identities", 3)?;
-    let second = run_bounded(&mut reading(&["--stop-at-end"]), RUN_LIMIT)?;
-    success(&second, "the run after the changelog grew")?;
-    let mut seen = BTreeSet::new();
-    for out in [&first, &second] {
-        for line in text(&out.stdout).lines() {
-            seen.insert(line.parse::<u64>()?);
+    broker.add_partitions("in", 4)?;
+    produce_integers(&bootstrap, "in", 61..=80)?;
+    let second = dir.path().join("second.txt");
+    run_until(&second, 80, &|| Ok(()))?;
+    broker.add_partitions("in", 5)?;
+    produce_integers(&bootstrap, "in", 81..=100)?;
+    let third = run_bounded(&mut reading(&["--stop-at-end"]), RUN_LIMIT)?;
+    success(&third, "the run after the input grew while it was stopped")?;
+    let changelog = end_offsets(&bootstrap, "identities")?;
+    if changelog.len() != 5 {
+        return Err(format!("the changelog has partitions {changelog:?}, not 5").into());
+    }
+    let mut values = Vec::new();
+    for out in [
+        std::fs::read_to_string(&first)?,
+        std::fs::read_to_string(&second)?,
+        text(&third.stdout),
+    ] {
+        for line in out.lines() {
+            values.push(line.parse::<u64>()?);
         }
     }
-    if seen != (1..=60).collect() {
-        return Err(format!("read {} distinct values of 60: {seen:?}", seen.len()).into());
-    }
-    Ok(())
+    check_each_once(&values, 1..=100)
 }

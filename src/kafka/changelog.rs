@@ -4,9 +4,10 @@
 //!
 //! - **Layout.** One changelog partition per input partition number
 //!   (input partition `p`, of any input topic, goes to changelog
-//!   partition `p`), `cleanup.policy=compact`. Created if missing; an
-//!   existing topic with too few partitions or without compaction is
-//!   refused.
+//!   partition `p`), `cleanup.policy=compact`. Created if missing, and
+//!   grown when an input has more partitions than it (at open, or when an
+//!   input gains partitions while the guard runs); an existing topic
+//!   without compaction is refused.
 //! - **Writes.** Before each checkpoint, every lane's open epoch is
 //!   produced whole (see [`crate::changelog`] for the records), with the
 //!   idempotent producer, and the checkpoint waits for the acks: the
@@ -30,7 +31,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, NewPartitions, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -360,17 +363,22 @@ impl Changelog {
         partition: i32,
         local_end: Option<i64>,
     ) -> Result<Restored> {
-        let (lo, hi) = watermarks(reader, &self.topic, partition, self.timeout).map_err(|e| {
-            let what = if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) {
-                // Made with as many partitions as the inputs had then.
-                format!(
-                    "it has no partition {partition}, where input partition {partition} keeps its identities: an input gained partitions since the changelog was made; give the changelog at least {} partitions, then start again",
-                    partition + 1
-                )
-            } else {
-                format!("cannot read its watermarks (was it deleted?): {e}")
-            };
-            self.error(Some(partition), None, what)
+        let mut read = watermarks(reader, &self.topic, partition, self.timeout);
+        if read
+            .as_ref()
+            .is_err_and(|e| e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition))
+        {
+            // Made with as many partitions as the inputs had then: an
+            // input gained partitions since.
+            self.grow_for(reader, topic, partition)?;
+            read = watermarks(reader, &self.topic, partition, self.timeout);
+        }
+        let (lo, hi) = read.map_err(|e| {
+            self.error(
+                Some(partition),
+                None,
+                format!("cannot read its watermarks (was it deleted?): {e}"),
+            )
         })?;
         if let Some(end) = local_end {
             if hi < end {
@@ -469,6 +477,40 @@ impl Changelog {
                 .push(key);
         }
         Ok(restored)
+    }
+
+    /// Grows the changelog to hold input partition `partition` of
+    /// `input` (and every partition the input has now), and waits until
+    /// the reader and the producer both know the new partitions.
+    fn grow_for(&self, reader: &BaseConsumer, input: &str, partition: i32) -> Result<()> {
+        let t = self.timeout;
+        let wanted = partition_count(reader.client(), input, t).max(partition as usize + 1);
+        grow_topic(&self.connection, &self.topic, wanted, self.timeout)?;
+        tracing::info!(changelog = %self.topic, input, partition, partitions = wanted, "changelog grown to the input's partitions");
+        // Each client reads the new count at its next metadata refresh,
+        // which asking for the topic's metadata brings forward.
+        let started = Instant::now();
+        loop {
+            let known = partition_count(reader.client(), &self.topic, t).min(partition_count(
+                self.producer.client(),
+                &self.topic,
+                t,
+            ));
+            if known > partition as usize {
+                return Ok(());
+            }
+            if started.elapsed() > self.timeout {
+                return Err(self.error(
+                    Some(partition),
+                    None,
+                    format!(
+                        "it was grown to {wanted} partitions, but after {:?} its metadata still shows {known}",
+                        self.timeout
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// A reader of the changelog: no group, nothing committed. One serves
@@ -624,10 +666,7 @@ fn ensure_topic(
             tracing::info!(topic, partitions, "changelog topic created");
             Ok(())
         }
-        Some(n) if n < partitions => Err(wrong(format!(
-            "it has {n} partitions, and the inputs have up to {partitions}: input partition p is kept in changelog partition p, so it needs at least {partitions} (add partitions, or name another topic)"
-        ))),
-        Some(_) => {
+        Some(n) => {
             let described = futures::executor::block_on(
                 admin.describe_configs([&ResourceSpecifier::Topic(topic)], &opts),
             )
@@ -651,7 +690,70 @@ fn ensure_topic(
                     "changelog topic also deletes by retention: live identities older than its retention.ms are lost from it"
                 );
             }
+            // Input partition p is kept in changelog partition p.
+            if n < partitions {
+                grow_topic(connection, topic, partitions, timeout)?;
+                tracing::info!(
+                    topic,
+                    from = n,
+                    partitions,
+                    "changelog topic grown to the inputs' partitions"
+                );
+            }
             Ok(())
         }
     }
+}
+
+/// The partitions of `topic` that `client` finds in a metadata request
+/// (which also refreshes its own view of them), 0 if it cannot tell.
+fn partition_count<C: ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    topic: &str,
+    timeout: Duration,
+) -> usize {
+    client
+        .fetch_metadata(Some(topic), timeout)
+        .ok()
+        .and_then(|m| {
+            m.topics()
+                .iter()
+                .find(|t| t.name() == topic && t.error().is_none())
+                .map(|t| t.partitions().len())
+        })
+        .unwrap_or(0)
+}
+
+/// Grows a topic to `partitions` partitions. A topic that has that many
+/// already (another instance grew it first) is left as it is.
+fn grow_topic(
+    connection: &ClientConfig,
+    topic: &str,
+    partitions: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let admin: AdminClient<DefaultClientContext> = connection
+        .create()
+        .map_err(kafka("creating an admin client"))?;
+    let opts = AdminOptions::new().operation_timeout(Some(timeout));
+    let grow = NewPartitions::new(topic, partitions);
+    let answers = futures::executor::block_on(admin.create_partitions([&grow], &opts))
+        .map_err(kafka("adding partitions to the changelog topic"))?;
+    for answer in answers {
+        match answer {
+            // The broker refuses a count the topic has reached already.
+            Ok(_) | Err((_, RDKafkaErrorCode::InvalidPartitions)) => {}
+            Err((_, code)) => {
+                return Err(Error::Changelog {
+                    topic: topic.to_owned(),
+                    partition: None,
+                    offset: None,
+                    what: format!(
+                        "it has fewer partitions than the inputs ({partitions}: input partition p is kept in changelog partition p), and adding them failed: {code}"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }

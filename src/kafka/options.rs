@@ -176,8 +176,9 @@ impl GuardOptions {
     /// positions (a resend of a record handled elsewhere passes).
     ///
     /// The topic is created if missing (compacted, with as many partitions
-    /// as the inputs have); one that exists must be compacted and have at
-    /// least that many. Each checkpoint ships the open epoch's identities
+    /// as the inputs have); one that exists must be compacted, and is
+    /// grown to as many (input partition `p` is kept in its partition
+    /// `p`), at start and when an input gains partitions. Each checkpoint ships the open epoch's identities
     /// and waits for the acks before it moves, so an acked record survives
     /// the loss of the machine from the next checkpoint on (at most one
     /// `checkpoint_interval` later). A state folder without a changelog

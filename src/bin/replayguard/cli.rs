@@ -159,7 +159,8 @@ pub struct GuardArgs {
     /// Keep the identities in this Kafka topic too, so that they outlive
     /// the machine: a partition that moves to an instance with an empty
     /// or older state folder takes them over before it delivers anything.
-    /// Created if missing (compacted, a partition per input partition).
+    /// Created if missing (compacted, a partition per input partition),
+    /// and grown when an input gains partitions.
     /// An acked record is in it from the next checkpoint on.
     #[arg(long, value_name = "TOPIC")]
     pub changelog: Option<String>,
