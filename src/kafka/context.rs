@@ -114,9 +114,20 @@ pub(crate) struct Core {
     /// (`group.instance.id`), whose rejoins keep the group's old
     /// assignment ([`Core::watch_assignment`]).
     pub static_member: bool,
-    /// When the group's assignment was last checked, and the partitions it
-    /// left out then.
-    pub watch: std::sync::Mutex<(Option<Instant>, BTreeSet<Partition>)>,
+    /// What [`Core::watch_assignment`] saw last.
+    pub watch: std::sync::Mutex<AssignmentWatch>,
+}
+
+/// The state of [`Core::watch_assignment`].
+#[derive(Debug, Default)]
+pub(crate) struct AssignmentWatch {
+    /// When the group's assignment was last checked.
+    checked: Option<Instant>,
+    /// The partitions it left out then.
+    left_out: BTreeSet<Partition>,
+    /// The brokers cannot describe groups (librdkafka's mock cluster):
+    /// nothing to check.
+    unsupported: bool,
 }
 
 /// How often a static member checks that its group's assignment covers
@@ -425,7 +436,12 @@ impl Core {
             .ok()?;
         let groups = consumer
             .fetch_group_list(Some(&self.group), ASK)
-            .inspect_err(|e| tracing::debug!(error = %e, "describing the group failed"))
+            .inspect_err(|e| {
+                tracing::debug!(error = %e, "describing the group failed");
+                if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnsupportedFeature) {
+                    self.watch_lock().unsupported = true;
+                }
+            })
             .ok()?;
         let group = groups.groups().iter().find(|g| g.name() == self.group)?;
         if group.state() != "Stable" || group.protocol_type() != "consumer" {
@@ -464,18 +480,18 @@ impl Core {
         }
         {
             let mut w = self.watch_lock();
-            if w.0.is_some_and(|t| t.elapsed() < WATCH_EVERY) {
+            if w.unsupported || w.checked.is_some_and(|t| t.elapsed() < WATCH_EVERY) {
                 return Ok(());
             }
-            w.0 = Some(Instant::now());
+            w.checked = Some(Instant::now());
         }
         let Some(now) = self.unassigned(consumer) else {
             return Ok(());
         };
         let again: Vec<Partition> = {
             let mut w = self.watch_lock();
-            let again = now.intersection(&w.1).cloned().collect();
-            w.1 = now;
+            let again = now.intersection(&w.left_out).cloned().collect();
+            w.left_out = now;
             again
         };
         if again.is_empty() {
@@ -484,7 +500,7 @@ impl Core {
         self.rejoin(consumer, &again)
     }
 
-    fn watch_lock(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, BTreeSet<Partition>)> {
+    fn watch_lock(&self) -> std::sync::MutexGuard<'_, AssignmentWatch> {
         self.watch
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -508,7 +524,7 @@ impl Core {
             .map(|e| e.topic().to_owned())
             .collect();
         let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        self.watch_lock().1.clear();
+        self.watch_lock().left_out.clear();
         consumer.unsubscribe();
         consumer
             .subscribe(&topics)
@@ -639,7 +655,7 @@ impl Core {
     /// Otherwise (see [`Core::watch_assignment`]) it rejoins the group at
     /// once, and the end waits for the partitions it is given.
     fn covered(&self, consumer: &impl Consumer<GuardContext>) -> Result<bool> {
-        if !self.static_member {
+        if !self.static_member || self.watch_lock().unsupported {
             return Ok(true);
         }
         match self.unassigned(consumer) {
