@@ -178,8 +178,9 @@ impl GuardOptions {
     /// The topic is created if missing (compacted, with as many partitions
     /// as the inputs have); one that exists must be compacted, and is
     /// grown to as many (input partition `p` is kept in its partition
-    /// `p`), at start and when an input gains partitions. Each checkpoint ships the open epoch's identities
-    /// and waits for the acks before it moves, so an acked record survives
+    /// `p`), at start and when an input gains partitions. Each checkpoint
+    /// ships the open epoch's identities and waits for the acks before it
+    /// moves, so an acked record survives
     /// the loss of the machine from the next checkpoint on (at most one
     /// `checkpoint_interval` later). A state folder without a changelog
     /// takes one (each partition's first assign then reads it whole); one

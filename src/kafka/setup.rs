@@ -330,14 +330,14 @@ fn check_lease(cfg: &ClientConfig, lease: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Whether a configuration uses the broker-side group protocol of KIP-848
-/// (`group.protocol=consumer`) rather than the classic one.
 /// Whether a consumer made from `cfg` is a static member of a classic
 /// group.
 pub(crate) fn is_static_member(cfg: &ClientConfig) -> bool {
     cfg.get("group.instance.id").is_some() && !uses_consumer_protocol(cfg)
 }
 
+/// Whether a configuration uses the broker-side group protocol of KIP-848
+/// (`group.protocol=consumer`) rather than the classic one.
 pub(crate) fn uses_consumer_protocol(cfg: &ClientConfig) -> bool {
     cfg.get("group.protocol")
         .is_some_and(|p| p.eq_ignore_ascii_case("consumer"))
