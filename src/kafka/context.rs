@@ -118,13 +118,15 @@ pub(crate) struct Core {
     pub watch: std::sync::Mutex<AssignmentWatch>,
 }
 
-/// The state of [`Core::watch_assignment`].
+/// The state of [`Core::watch_assignment`], shared with the thread that
+/// checks the group ([`AssignmentWatcher`]).
 #[derive(Debug, Default)]
 pub(crate) struct AssignmentWatch {
-    /// When the group's assignment was last checked.
-    checked: Option<Instant>,
-    /// The partitions it left out then.
+    /// The partitions the group's assignment left out at the last check.
     left_out: BTreeSet<Partition>,
+    /// Partitions left out at two checks in a row: the run loop rejoins
+    /// the group for them at its next checkpoint.
+    rejoin: Vec<Partition>,
     /// The brokers cannot describe groups (librdkafka's mock cluster):
     /// nothing to check.
     unsupported: bool,
@@ -133,6 +135,70 @@ pub(crate) struct AssignmentWatch {
 /// How often a static member checks that its group's assignment covers
 /// every partition of the inputs.
 const WATCH_EVERY: Duration = Duration::from_secs(10);
+
+/// The thread that checks a static member's group every `WATCH_EVERY`
+/// ([`Core::watch_assignment`]). Its requests (the inputs' metadata, then
+/// ListGroups to every broker and DescribeGroups to the coordinator) each
+/// wait up to 2 s for a broker that is slow or gone, so they are kept off
+/// the run loop, which only reads what the thread found. Dropping it stops
+/// the thread and waits for a check under way; the thread holds the
+/// consumer until then, so it must be dropped before the consumer's last
+/// reference is meant to close it.
+pub(crate) struct AssignmentWatcher {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for AssignmentWatcher {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            // A panic of the thread was printed; there is nothing to undo.
+            let _ = t.join();
+        }
+    }
+}
+
+impl AssignmentWatcher {
+    /// Starts the thread for a static member of a classic group; `None`
+    /// for any other member, or if the thread cannot start (the group's
+    /// assignment then goes unchecked while the run lasts, with a WARN).
+    pub(crate) fn start<C>(core: &Arc<Core>, consumer: &Arc<C>) -> Option<Self>
+    where
+        C: Consumer<GuardContext> + Send + Sync + 'static,
+    {
+        if !core.static_member {
+            return None;
+        }
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let (core, consumer) = (core.clone(), consumer.clone());
+        let thread = std::thread::Builder::new()
+            .name("replayguard-group-watch".into())
+            .spawn(move || {
+                // The first check comes soon, as a restarted member's group
+                // settles; its partitions are left out from the second on.
+                let mut wait = Duration::from_secs(1);
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(wait)
+                {
+                    if !core.check_assignment(&*consumer) {
+                        break;
+                    }
+                    wait = WATCH_EVERY;
+                }
+            });
+        match thread {
+            Ok(t) => Some(AssignmentWatcher {
+                stop: Some(stop),
+                thread: Some(t),
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the thread that checks the group's assignment; partitions added to an input while this static member was away may go unread until it restarts");
+                None
+            }
+        }
+    }
+}
 
 /// The partitions of a member's assignment as the classic consumer
 /// protocol encodes it: a 16-bit version, then an array (32-bit count) of
@@ -459,10 +525,27 @@ impl Core {
         )
     }
 
-    /// For a static member: checks, at most every `WATCH_EVERY`, that the
-    /// group's assignment covers every partition of the inputs, and
-    /// rejoins the group when the same partitions were left out at two
-    /// checks in a row.
+    /// One check of [`AssignmentWatcher`]'s thread: notes the partitions
+    /// the group's assignment leaves out, and asks the run loop to rejoin
+    /// for those left out at two checks in a row. Returns false once the
+    /// brokers cannot describe groups, which ends the thread.
+    fn check_assignment(&self, consumer: &impl Consumer<GuardContext>) -> bool {
+        let now = self.unassigned(consumer);
+        let mut w = self.watch_lock();
+        if let Some(now) = now {
+            let again: Vec<Partition> = now.intersection(&w.left_out).cloned().collect();
+            w.left_out = now;
+            if !again.is_empty() {
+                w.rejoin = again;
+            }
+        }
+        !w.unsupported
+    }
+
+    /// For a static member: rejoins the group when its assignment left the
+    /// same partitions out at two checks in a row of the group's watch
+    /// ([`AssignmentWatcher`], every `WATCH_EVERY`). Called from the run
+    /// loop at each checkpoint; it reads only what the watch found.
     ///
     /// A static member that rejoins a stable group (a restart within the
     /// session timeout) gets its old assignment back without a rebalance.
@@ -478,22 +561,7 @@ impl Core {
         if !self.static_member {
             return Ok(());
         }
-        {
-            let mut w = self.watch_lock();
-            if w.unsupported || w.checked.is_some_and(|t| t.elapsed() < WATCH_EVERY) {
-                return Ok(());
-            }
-            w.checked = Some(Instant::now());
-        }
-        let Some(now) = self.unassigned(consumer) else {
-            return Ok(());
-        };
-        let again: Vec<Partition> = {
-            let mut w = self.watch_lock();
-            let again = now.intersection(&w.left_out).cloned().collect();
-            w.left_out = now;
-            again
-        };
+        let again = std::mem::take(&mut self.watch_lock().rejoin);
         if again.is_empty() {
             return Ok(());
         }
@@ -524,7 +592,11 @@ impl Core {
             .map(|e| e.topic().to_owned())
             .collect();
         let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        self.watch_lock().left_out.clear();
+        {
+            let mut w = self.watch_lock();
+            w.left_out.clear();
+            w.rejoin.clear();
+        }
         consumer.unsubscribe();
         consumer
             .subscribe(&topics)

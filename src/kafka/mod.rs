@@ -184,7 +184,8 @@ pub(crate) struct Closer {
 }
 
 impl Closer {
-    /// Closes `clients` (the adapter's consumer, and producer if any), then
+    /// Closes `clients` (the adapter's group watch, which holds the
+    /// consumer, then the consumer, and the producer if any), then
     /// the state folder, whoever else still holds `core`: clients first,
     /// because the consumer's close runs its last revoke, which checkpoints
     /// with the guard. Dropping the `Closer` runs it, waiting at most
