@@ -180,16 +180,15 @@ impl GuardOptions {
     /// grown to as many (input partition `p` is kept in its partition
     /// `p`), at start and when an input gains partitions. Each checkpoint
     /// ships the open epoch's identities and waits for the acks before it
-    /// moves, so an acked record survives
-    /// the loss of the machine from the next checkpoint on (at most one
-    /// `checkpoint_interval` later). A state folder without a changelog
-    /// takes one (each partition's first assign then reads it whole); one
-    /// with a changelog keeps it (another topic, or none, needs `rebind`).
-    /// It keeps a copy of the open epoch's identities in memory (about 16
-    /// bytes each), to ship at the checkpoint. The
-    /// topic is created and checked through the admin API, which
-    /// librdkafka's mock cluster did not answer here: the changelog needs
-    /// a real broker.
+    /// moves, so an acked record survives the loss of the machine from the
+    /// next checkpoint on (at most one `checkpoint_interval` later). A
+    /// state folder without a changelog takes one (each partition's first
+    /// assign then reads it whole); one with a changelog keeps it (another
+    /// topic, or none, needs `rebind`). It keeps a copy of the open epoch's
+    /// identities in memory (about 16 bytes each), to ship at the
+    /// checkpoint. The topic is created and checked through the admin API,
+    /// which librdkafka's mock cluster did not answer here: the changelog
+    /// needs a real broker.
     pub fn changelog(mut self, topic: impl Into<String>) -> Self {
         self.changelog = Some(topic.into());
         self
