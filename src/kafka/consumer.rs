@@ -177,10 +177,7 @@ impl GuardedConsumerBuilder {
         consumer.subscribe(&topics).map_err(kafka("subscribing"))?;
         let watchdog = core.lease.watch();
         let wake = core.lock().wake.clone();
-        // The closer stops the group's watch before the consumer's last
-        // reference goes: the watch's thread holds one.
-        let watcher = super::context::AssignmentWatcher::start(&core, &consumer);
-        let closer = super::Closer::new((watcher, consumer.clone()), core.clone(), o.timeout);
+        let closer = super::Closer::watching(&core, &consumer, (), o.timeout);
         Ok(GuardedConsumer {
             consumer,
             _watchdog: watchdog,

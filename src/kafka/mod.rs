@@ -184,17 +184,32 @@ pub(crate) struct Closer {
 }
 
 impl Closer {
-    /// Closes `clients` (the adapter's group watch, which holds the
-    /// consumer, then the consumer, and the producer if any), then
-    /// the state folder, whoever else still holds `core`: clients first,
-    /// because the consumer's close runs its last revoke, which checkpoints
-    /// with the guard. Dropping the `Closer` runs it, waiting at most
-    /// `bound`.
-    pub(crate) fn new(
-        clients: impl Send + Sync + 'static,
-        core: std::sync::Arc<context::Core>,
+    /// Starts the group's watch on `consumer`
+    /// ([`context::AssignmentWatcher`]) and makes the closer of the
+    /// adapter's clients. The close drops them in this order:
+    /// - the watch, whose thread holds a reference to the consumer;
+    /// - the consumer, whose close runs its last revoke, which checkpoints
+    ///   with the guard;
+    /// - `rest` (the producer, if any).
+    ///
+    /// Then it closes the state folder, whoever else still holds `core`.
+    /// Dropping the `Closer` runs it, waiting at most `bound`.
+    pub(crate) fn watching<C>(
+        core: &std::sync::Arc<context::Core>,
+        consumer: &std::sync::Arc<C>,
+        rest: impl Send + Sync + 'static,
         bound: std::time::Duration,
-    ) -> Self {
+    ) -> Self
+    where
+        C: rdkafka::consumer::Consumer<context::GuardContext> + Send + Sync + 'static,
+    {
+        // A tuple drops its fields in order.
+        let clients = (
+            context::AssignmentWatcher::start(core, consumer),
+            consumer.clone(),
+            rest,
+        );
+        let core = core.clone();
         Closer {
             close: Some(Box::new(move || {
                 drop(clients);

@@ -284,14 +284,7 @@ impl GuardedPipelineBuilder {
         consumer.subscribe(&inputs).map_err(kafka("subscribing"))?;
         let watchdog = core.lease.watch();
         tracing::info!(inputs = ?self.inputs, %output, mode = ?self.mode, state = %self.state.display(), "pipeline started");
-        // The closer stops the group's watch before the consumer's last
-        // reference goes: the watch's thread holds one.
-        let watcher = super::context::AssignmentWatcher::start(&core, &consumer);
-        let closer = super::Closer::new(
-            (watcher, consumer.clone(), producer.clone()),
-            core.clone(),
-            o.timeout,
-        );
+        let closer = super::Closer::watching(&core, &consumer, producer.clone(), o.timeout);
         Ok(GuardedPipeline {
             consumer,
             _watchdog: watchdog,
