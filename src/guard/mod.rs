@@ -13,8 +13,7 @@ use crate::changelog::{Shipment, Shipped};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::index::{
-    Aim, DiskFilter, FAR_SLOTS, LaneIndex, Lookup, Reason, TAG_SPAN, key_of, resolve, tag_of,
-    tagged,
+    Aim, DiskFilter, FAR_SLOTS, LaneIndex, Lookup, Reason, TAG_SPAN, key_of, resolve,
 };
 use crate::store::{
     Chunk, ChunkWrite, Durability, EpochInfo, FORMAT_VERSION, LaneName, LanePosition, Manifest,
@@ -476,7 +475,7 @@ impl Guard {
         // Epochs below the floor that the disk index does not cover yet.
         let covered = self.store.spilled()?.map_or(oldest, |s| s + 1).max(oldest);
         let mut to_spill: Vec<Vec<(u128, u64)>> = vec![Vec::new(); self.lanes.len()];
-        let mut in_memory: Vec<Vec<u128>> = vec![Vec::new(); self.lanes.len()];
+        let mut in_memory: Vec<Vec<(u128, u64)>> = vec![Vec::new(); self.lanes.len()];
         let path = self.store.path().to_owned();
         let lanes = &mut self.lanes;
         let journal = self.cfg.journal;
@@ -502,8 +501,7 @@ impl Guard {
             l.index.merge_offsets(e, &chunk.offsets);
             l.index.merge_ids(e, &chunk.ids);
             if e >= floor {
-                let tag = tag_of(e);
-                in_memory[lane as usize].extend(chunk.hashes.iter().map(|&h| tagged(h, tag)));
+                in_memory[lane as usize].extend(chunk.hashes.iter().map(|&h| (key_of(h), e)));
             } else {
                 l.index.count_disk_hashes(e, chunk.hashes.len() as u64);
                 if let Some(n) = seen_below.get_mut(lane as usize) {
@@ -1376,8 +1374,11 @@ impl Guard {
 
     /// Writes the content hashes of the epochs in `self.floor..floor` to
     /// disk and into each lane's disk filter, then lets them leave memory.
+    /// The table keeps too few bits of a hash to give it back, so they are
+    /// read from the epochs' chunks, as a recovery reads them.
     fn spill_to(&mut self, floor: u64) -> Result<()> {
         let from = self.floor;
+        let moving = self.hashes_in(from, floor)?;
         for (id, l) in self.lanes.iter_mut().enumerate() {
             let count: u64 = (from..floor).map(|e| l.index.epoch_hashes(e)).sum();
             if count == 0 && l.index.disk().filter.is_some() {
@@ -1402,23 +1403,17 @@ impl Guard {
                 }
                 l.index.disk_mut().filter = Some(filter);
             }
-            let mut filter = l.index.disk_mut().filter.take();
-            if let Some(f) = filter.as_mut() {
-                l.index.hashes_in(from, floor, |key, _| f.insert(key));
+            if let (Some(f), Some(keys)) = (l.index.disk_mut().filter.as_mut(), moving.get(id)) {
+                for &(key, _) in keys {
+                    f.insert(key);
+                }
             }
-            l.index.disk_mut().filter = filter;
         }
-        let moving: u64 = self
-            .lanes
-            .iter()
-            .map(|l| (from..floor).map(|e| l.index.epoch_hashes(e)).sum::<u64>())
-            .sum();
-        if moving > 0 {
-            let entries = self.lanes.iter().enumerate().flat_map(|(id, l)| {
-                l.index
-                    .iter_hashes_in(from, floor)
-                    .map(move |(k, e)| (id as u32, k, e))
-            });
+        if moving.iter().any(|v| !v.is_empty()) {
+            let entries = moving
+                .iter()
+                .enumerate()
+                .flat_map(|(id, v)| v.iter().map(move |&(k, e)| (id as u32, k, e)));
             self.store.spill(entries, floor - 1)?;
         }
         for l in &mut self.lanes {
@@ -1427,6 +1422,37 @@ impl Guard {
         self.floor = floor;
         tracing::debug!(from, to = floor, "sealed epochs moved to disk");
         Ok(())
+    }
+
+    /// Per lane, the keys of the content hashes its chunks hold for the
+    /// epochs in `from..to`, with their epochs, in key order: one entry a
+    /// key, in the newest epoch that holds it.
+    fn hashes_in(&self, from: u64, to: u64) -> Result<Vec<Vec<(u128, u64)>>> {
+        let mut per_lane: Vec<Vec<(u128, u64)>> = vec![Vec::new(); self.lanes.len()];
+        let path = self.store.path().to_owned();
+        self.store
+            .read_chunks(from, Some(to), |e, lane, _, chunk| {
+                let keys = per_lane
+                    .get_mut(lane as usize)
+                    .ok_or_else(|| Error::Corrupt {
+                        path: path.clone(),
+                        what: format!("a chunk names lane {lane}, which is not in the lane table"),
+                    })?;
+                keys.extend(chunk.hashes.iter().map(|&h| (key_of(h), e)));
+                Ok(())
+            })?;
+        for keys in &mut per_lane {
+            keys.sort_unstable();
+            // Sorted, one key's entries are adjacent and the newest last.
+            keys.dedup_by(|later, earlier| {
+                let same = later.0 == earlier.0;
+                if same {
+                    *earlier = *later;
+                }
+                same
+            });
+        }
+        Ok(per_lane)
     }
 
     fn refresh_live(&mut self) {

@@ -460,15 +460,16 @@ fn memory_estimate_grows_with_content_and_shrinks_when_sealed() -> Result<()> {
         g.record(lane, Some(i), Some(hash(i)))?;
     }
     let open = g.memory_bytes();
-    // A table of 16-byte slots, at least 68% full, plus a few KiB of dense
-    // offsets (about 1/8 byte each in bitmap containers).
-    assert!(open as u64 > 16 * n, "{open}");
-    assert!((open as u64) < 24 * n + n / 7, "{open}");
+    // A table of 12-byte slots, at least 70% full, with its filter (6 bits
+    // a home), plus a few KiB of dense offsets (about 1/8 byte each in
+    // bitmap containers).
+    assert!(open as u64 > 12 * n, "{open}");
+    assert!((open as u64) < 18 * n + n / 7, "{open}");
     g.checkpoint(&[(lane, n)], Vec::new())?;
     let sealed = g.memory_bytes();
-    // Sealed: at least 80% full, and the offsets as one run.
-    assert!(sealed as u64 >= 16 * n, "{sealed}");
-    assert!((sealed as u64) < 21 * n + n / 2, "{sealed}");
+    // Sealed: packed 85% full, and the offsets as one run.
+    assert!(sealed as u64 >= 14 * n, "{sealed}");
+    assert!((sealed as u64) < 16 * n, "{sealed}");
     assert!(sealed < open);
     Ok(())
 }

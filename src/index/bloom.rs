@@ -15,7 +15,7 @@
 //! A wrong "maybe" only costs a disk read that finds nothing (or an
 //! entry of a dropped epoch, which does not count).
 
-use super::table::{TAG_BITS, advise_huge_pages, prefetch};
+use super::table::{LOW_BITS, advise_huge_pages, prefetch};
 
 /// Bits spent per hash at the filter's capacity.
 const BITS_PER_HASH: usize = 14;
@@ -70,7 +70,7 @@ impl DiskFilter {
     pub fn insert(&mut self, h: u128) {
         let n = self.blocks.len();
         if let Some(b) = self.blocks.get_mut(block_of(h, n)) {
-            let mut mid = (h >> TAG_BITS) as u64;
+            let mut mid = (h >> LOW_BITS) as u64;
             for _ in 0..PROBES {
                 let bit = (mid & 511) as usize;
                 b.0[bit >> 6] |= 1 << (bit & 63);
@@ -100,7 +100,7 @@ impl DiskFilter {
         let Some(b) = self.blocks.get(block_of(h, self.blocks.len())) else {
             return false;
         };
-        let mut mid = (h >> TAG_BITS) as u64;
+        let mut mid = (h >> LOW_BITS) as u64;
         for _ in 0..PROBES {
             let bit = (mid & 511) as usize;
             if b.0[bit >> 6] & (1 << (bit & 63)) == 0 {

@@ -7,7 +7,8 @@
 //!   epoch. Sealing an epoch costs nothing; dropping one only raises the
 //!   lane's floor, below which entries no longer answer. An insert takes
 //!   the slot of the first such entry its shift meets, and the table is
-//!   purged in one in-place pass once a quarter of it is below the floor.
+//!   purged at a checkpoint, in one in-place pass, once a sixteenth of it
+//!   is below the floor.
 //!   Hashes recorded one call at a time wait in a small buffer of the lane
 //!   (read by every lookup) and are placed sixteen at a time, so that the
 //!   cache misses of their inserts overlap as a batch's do.
@@ -218,6 +219,14 @@ pub struct LaneIndex {
 /// together (see `LaneIndex::deferred`). Tests wait for fewer, so that
 /// their small runs fill the buffer often.
 const DEFERRED: usize = if cfg!(test) { 4 } else { 16 };
+
+/// The table is purged at a checkpoint once more than one entry in this
+/// many is below the floor (BENCHMARKS.md, "A purge at a checkpoint is
+/// enough").
+const PURGE_SHARE: u64 = 16;
+/// A purge lays the table out with room for one more entry in this many,
+/// so that the open epoch's inserts do not grow it at once.
+const PURGE_ROOM: usize = 8;
 
 impl LaneIndex {
     /// A lane whose open epoch is `open` and whose oldest live epoch is
@@ -603,16 +612,26 @@ impl LaneIndex {
         }
     }
 
-    /// Adds the hashes recovered for the epochs kept in memory, each made
-    /// by [`tagged`]: all of a lane's epochs at once, so the table is laid
-    /// out once.
-    pub fn load_hashes(&mut self, entries: Vec<u128>) {
+    /// Adds the hashes recovered for the epochs kept in memory, as
+    /// `(key, epoch)`: all of a lane's epochs at once, so the table is
+    /// laid out once. A hash in two epochs counts in the newer one.
+    pub fn load_hashes(&mut self, mut entries: Vec<(u128, u64)>) {
         debug_assert!(self.deferred.is_empty(), "a lane loads before it records");
-        self.hashes = FpTable::from_tagged(entries, table::PACKED_LOAD_PCT);
-        let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
-        self.hashes.for_each(|_, tag| {
-            *counts.entry(self.epoch_of(tag)).or_default() += 1;
+        entries.sort_unstable();
+        // Sorted, one key's entries are adjacent and the newest last.
+        entries.dedup_by(|later, earlier| {
+            let same = later.0 == earlier.0;
+            if same {
+                *earlier = *later;
+            }
+            same
         });
+        let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
+        for &(_, e) in &entries {
+            *counts.entry(e).or_default() += 1;
+        }
+        let tagged = entries.into_iter().map(|(k, e)| (k, tag_of(e))).collect();
+        self.hashes = FpTable::from_entries(tagged, table::PACKED_LOAD_PCT);
         for (e, n) in counts {
             self.epoch_mut(e).hashes = n;
             self.live_fps += n;
@@ -691,7 +710,7 @@ impl LaneIndex {
 
     /// Drops every epoch older than `oldest_live`, whole: the cost is that
     /// of the dropped epochs' bitmaps, not of the live ones. The table is
-    /// purged once a quarter of it is below the floor, or when its oldest
+    /// purged once a sixteenth of it is below the floor, or when its oldest
     /// tags would soon be ambiguous.
     pub fn drop_before(&mut self, oldest_live: u64) {
         self.place_deferred();
@@ -738,7 +757,7 @@ impl LaneIndex {
     }
 
     fn maybe_purge(&mut self) {
-        let stale = self.below_floor * 4 > self.hashes.len() as u64;
+        let stale = self.below_floor * PURGE_SHARE > self.hashes.len() as u64;
         // Tags repeat every TAG_SPAN epochs: entries must leave before
         // they could be read as a newer epoch.
         let aging = self.open.saturating_sub(self.floor) > TAG_SPAN / 4 && self.below_floor > 0;
@@ -748,28 +767,8 @@ impl LaneIndex {
     }
 
     fn purge(&mut self) {
-        self.hashes.purge(below(self.open, self.floor));
+        self.hashes.purge(below(self.open, self.floor), PURGE_ROOM);
         self.below_floor = 0;
-    }
-
-    /// The entries of the table whose epochs are in `from..to`, in key
-    /// order, as `(key, epoch)`.
-    pub fn hashes_in(&self, from: u64, to: u64, mut f: impl FnMut(u128, u64)) {
-        for (key, e) in self.iter_hashes_in(from, to) {
-            f(key, e);
-        }
-    }
-
-    /// [`LaneIndex::hashes_in`] as an iterator.
-    ///
-    /// The open epoch's hashes are all there once the lane's waiting ones
-    /// were placed, as every checkpoint does.
-    pub fn iter_hashes_in(&self, from: u64, to: u64) -> impl Iterator<Item = (u128, u64)> + '_ {
-        debug_assert!(to <= self.open || self.deferred.is_empty());
-        self.hashes
-            .iter()
-            .map(|(key, tag)| (key, self.epoch_of(tag)))
-            .filter(move |(_, e)| (from..to).contains(e))
     }
 
     /// Content hashes recorded in `epoch`.

@@ -1,37 +1,36 @@
+use proptest::prelude::*;
+
 use super::*;
 
 impl FpTable {
     /// Checks the invariants the lookups rely on.
     fn check_invariants(&self) {
-        let mut prev = 0u128;
+        let mut prev: Option<(usize, u64, u128)> = None;
         let mut count = 0;
-        for (i, &s) in self.slots.iter().enumerate() {
-            if s == 0 {
+        for i in 0..self.n {
+            let (f, d, _) = self.slot(i);
+            if f == 0 {
                 continue;
             }
             count += 1;
-            assert!(s > prev, "slot {i} out of order");
+            let home = i - d;
+            assert!(d <= MAX_DIST, "slot {i} {d} past its home");
+            let key = (home, self.scale.offset(f), f);
+            if let Some(p) = prev {
+                assert!((p.0, p.1) <= (key.0, key.1), "slot {i} out of order");
+                assert!(p != key, "slot {i} repeats an entry");
+            }
+            prev = Some(key);
             assert!(
-                prev == 0 || s & KEY_MASK != prev & KEY_MASK,
-                "slot {i} repeats a key"
-            );
-            prev = s;
-            let home = home_of(s, self.homes);
-            assert!(home <= i, "slot {i} before its home {home}");
-            assert!(
-                self.slots[home..i].iter().all(|&x| x != 0),
+                (home..i).all(|j| self.slot(j).0 != 0),
                 "gap between home {home} and slot {i}"
             );
+            let (word, bits) = filter_bits(self.scale.top(home as u64, f), self.filter.len());
+            assert_eq!(self.filter[word] & bits, bits, "filter misses slot {i}");
         }
         assert_eq!(count, self.len);
-        assert_eq!(self.slots.last().copied().unwrap_or(0), 0, "last slot used");
-        if self.homes > 0 {
-            assert_eq!(self.filter.len(), filter_words(self.homes));
-        }
-        for &h in self.slots.iter().filter(|&&s| s != 0) {
-            let (word, bits) = filter_bits(h, self.filter.len());
-            assert_eq!(self.filter[word] & bits, bits, "filter misses {h:x}");
-        }
+        assert_eq!(self.slot(self.n - 1).0, 0, "last slot used");
+        assert_eq!(self.filter.len(), filter_words(self.scale.homes as usize));
     }
 }
 
@@ -47,54 +46,11 @@ fn never(_: u32) -> bool {
 }
 
 fn added(t: &mut FpTable, h: u128) -> bool {
-    t.insert(h, 1, never) == Insert::Added
+    add(t, h, 1)
 }
 
-#[test]
-fn table_matches_a_hash_set() {
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut t = FpTable::default();
-    let mut model = std::collections::HashSet::new();
-    assert!(t.get(1 << 24).is_none() && t.get(0).is_none() && t.is_empty());
-    for round in 0..40_000u64 {
-        let h = xxhash_rust::xxh3::xxh3_128(&(xorshift(&mut x) % 30_000).to_le_bytes());
-        let h = if round % 997 == 0 { 0 } else { h };
-        assert_eq!(added(&mut t, h), model.insert(key_of(h)));
-        if round % 5_000 == 0 {
-            t.check_invariants();
-        }
-    }
-    t.check_invariants();
-    assert_eq!(t.len(), model.len());
-    for i in 0..60_000u64 {
-        let h = xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
-        assert_eq!(t.get(h).is_some(), model.contains(&key_of(h)), "{i}");
-    }
-    let open = t.memory_bytes();
-    t.pack();
-    t.check_invariants();
-    assert!(t.memory_bytes() <= open);
-    for &h in &model {
-        assert_eq!(t.get(h), Some(1));
-    }
-    assert_eq!(t.get(0), Some(1));
-    // Packed, the table is 85% full, and the filter adds 6 bits a slot.
-    let per = t.memory_bytes() as f64 / t.len() as f64;
-    assert!((19.5..21.5).contains(&per), "{per} bytes a hash");
-    let built = FpTable::from_entries(
-        model
-            .iter()
-            .map(|&h| (h, 3))
-            .chain([(5 << 24, 2), (5 << 24, 4), (0, 1)]),
-        80,
-    );
-    built.check_invariants();
-    assert_eq!(built.len(), model.len() + 1);
-    assert!(model.iter().all(|&h| built.get(h).is_some()));
-    // Of two entries with one key, the higher tag is kept.
-    assert_eq!(built.get(5 << 24), Some(4));
-    assert_eq!(built.get(0), Some(3));
-    assert!(built.get(6 << 24).is_none());
+fn add(t: &mut FpTable, h: u128, tag: u32) -> bool {
+    t.insert(h, tag, never) == Insert::Added
 }
 
 #[test]
@@ -104,128 +60,385 @@ fn table_stays_within_its_memory_bound_while_growing() {
         added(&mut t, xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes()));
         if i > 10_000 && i % 1_000 == 0 {
             let per = t.memory_bytes() as f64 / t.len() as f64;
-            assert!(per <= 24.0, "{per} bytes a hash at {i}");
+            assert!(per <= 18.5, "{per} bytes a hash at {i}");
         }
     }
     t.check_invariants();
 }
 
-#[test]
-fn table_survives_skewed_hashes() {
-    // Not uniform at all: every home is 0, or the top bits are equal,
-    // or the values sit at the extremes. Slow, but correct.
-    let mut t = FpTable::default();
-    let mut all = Vec::new();
-    for i in 1..2_000u128 {
-        all.push(i << 24);
-        all.push((7u128 << 64) | (i << 24));
-        all.push(u128::MAX - (i << 24));
+fn top_of(h: u128) -> u64 {
+    (h >> 64) as u64
+}
+
+proptest! {
+    #[test]
+    fn an_offset_fits_its_bits_and_names_the_top_bits(homes in 16u64..(1 << 44), top in any::<u64>()) {
+        let sc = Scale::new(homes);
+        let (home, field) = sc.encode(u128::from(top) << 64);
+        prop_assert!(field < 1u128 << FIELD_BITS);
+        prop_assert_eq!(sc.top(home, field), top);
     }
-    for &h in all.iter().rev() {
-        assert!(added(&mut t, h));
+
+    #[test]
+    fn top_bits_survive_any_rescales_and_low_bits_shrink_to_the_smallest_scale(
+        hash in any::<u128>(),
+        sizes in prop::collection::vec(16u64..(1 << 44), 1..12),
+    ) {
+        let first = Scale::new(sizes[0]);
+        let (mut home, mut field) = first.encode(hash);
+        let mut sc = first;
+        let mut least = first.below() - 1;
+        for &n in &sizes[1..] {
+            let to = Scale::new(n);
+            (home, field) = sc.rescale(home, field, to);
+            sc = to;
+            least = least.min(sc.below() - 1);
+            prop_assert_eq!(sc.top(home, field), top_of(hash));
+            prop_assert_eq!(home, sc.home(top_of(hash)));
+        }
+        let (kept, low) = sc.kept(field);
+        prop_assert_eq!(kept, least);
+        prop_assert_eq!(low, (hash as u64) >> (64 - kept));
+        // The hash itself, asked at the last scale, matches.
+        let (qh, q) = sc.encode(hash);
+        prop_assert_eq!(qh, home);
+        prop_assert!(Scale::matches(field, q));
+        // So does any hash that agrees on the kept bits, and none
+        // that differs in one of them or in its top 64 bits.
+        let below_kept = if kept == 64 { 0 } else { u128::from(u64::MAX >> kept) };
+        prop_assert!(Scale::matches(field, sc.encode(hash ^ below_kept).1));
+        if kept > 0 {
+            let flip = 1u128 << (64 - kept);
+            prop_assert!(!Scale::matches(field, sc.encode(hash ^ flip).1));
+        }
+        let other = hash ^ (1u128 << 64);
+        let (oh, o) = sc.encode(other);
+        prop_assert!(oh != home || !Scale::matches(field, o));
     }
-    t.check_invariants();
-    for &h in &all {
-        assert!(!added(&mut t, h));
-        assert!(t.get(h).is_some());
+
+    #[test]
+    fn home_and_offset_order_entries_as_their_top_bits(
+        a in any::<u128>(), b in any::<u128>(), homes in 16u64..(1 << 44),
+    ) {
+        let sc = Scale::new(homes);
+        let ((ha, fa), (hb, fb)) = (sc.encode(a), sc.encode(b));
+        prop_assert_eq!(
+            (ha, sc.offset(fa)).cmp(&(hb, sc.offset(fb))),
+            top_of(a).cmp(&top_of(b))
+        );
     }
-    assert!(t.get(2_000 << 24).is_none() && t.get(u128::MAX).is_none() && t.get(0).is_none());
-    t.pack();
-    t.check_invariants();
-    assert!(all.iter().all(|&h| t.get(h).is_some()));
-    let mut reserved = FpTable::default();
-    reserved.reserve(1_000);
-    let homes = reserved.homes;
-    for i in 0..1_000u64 {
-        added(&mut reserved, xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes()));
+}
+
+proptest! {
+    #[test]
+    fn the_reciprocal_divides_as_a_division(homes in 16u64..(1 << 57), home in any::<u64>(), low in any::<u64>()) {
+        let scale = Scale::new(homes);
+        let n = u128::from(home % homes) << 64 | u128::from(low);
+        let d = u128::from(homes);
+        prop_assert_eq!(scale.div(n), ((n / d) as u64, (n % d) as u64));
     }
-    assert_eq!(reserved.homes, homes, "grew despite the reservation");
+
+    #[test]
+    fn the_reciprocal_divides_at_the_edges(homes in 16u64..(1 << 57)) {
+        let scale = Scale::new(homes);
+        let d = u128::from(homes);
+        for n in [0, d - 1, d, d + 1, (d - 1) << 64, ((d - 1) << 64) | u128::from(u64::MAX), (d << 64) - 1] {
+            prop_assert_eq!(scale.div(n), ((n / d) as u64, (n % d) as u64), "n = {}", n);
+        }
+    }
+
+    #[test]
+    fn a_query_is_the_field_split(homes in 16u64..(1 << 44), hash in any::<u128>()) {
+        let scale = Scale::new(homes);
+        let (home, field) = scale.encode(hash);
+        let (qhome, hi, lo8) = scale.query(hash);
+        prop_assert_eq!((home as usize, field), (qhome, u128::from(hi) << 8 | u128::from(lo8)));
+    }
 }
 
 #[test]
-fn tags_are_kept_and_dead_entries_are_replaced_or_purged() {
+fn a_field_is_never_empty_and_fits_its_bits() {
+    for homes in [16u64, 17, 4096, 10_000_000, 1 << 40] {
+        let sc = Scale::new(homes);
+        for hash in [0u128, u128::MAX, 1 << 64, u128::from(u64::MAX)] {
+            let (_, f) = sc.encode(hash);
+            assert_ne!(f, 0);
+            assert!(f < 1u128 << FIELD_BITS, "{homes} {hash:x}");
+        }
+    }
+}
+
+#[test]
+fn a_table_finds_what_it_holds_through_its_growths_and_nothing_else() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let held: Vec<u128> = (0..200_000).map(|_| rng.random()).collect();
     let mut t = FpTable::default();
-    let hashes: Vec<u128> = (0..20_000u64)
-        .map(|i| xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes()))
-        .collect();
-    for (i, &h) in hashes.iter().enumerate() {
-        assert_eq!(t.insert(h, (i % 10) as u32, never), Insert::Added);
+    for (k, &h) in held.iter().enumerate() {
+        assert!(add(&mut t, h, k as u32 & 0xffff));
+        assert!(!add(&mut t, h, 1), "inserted twice");
     }
-    // The tag bits of the hash do not matter: the key is the rest.
-    assert_eq!(t.get(hashes[3] ^ 0xff_ffff), Some(3));
-    assert_eq!(t.insert(hashes[3], 9, never), Insert::Present(3));
-    // A dead entry gives way to the new one.
-    assert_eq!(t.insert(hashes[3], 9, |tag| tag < 5), Insert::Replaced);
-    assert_eq!(t.get(hashes[3]), Some(9));
-    t.check_invariants();
-    let before = t.memory_bytes();
-    let dropped = t.purge(|tag| tag < 8);
-    t.check_invariants();
-    assert_eq!(dropped, 20_000 / 10 * 8 - 1);
-    assert_eq!(t.len(), 20_000 - dropped);
-    for (i, &h) in hashes.iter().enumerate() {
-        let want = match i {
-            3 => Some(9),
-            _ if i % 10 >= 8 => Some((i % 10) as u32),
-            _ => None,
-        };
-        assert_eq!(t.get(h), want, "{i}");
+    for (k, &h) in held.iter().enumerate() {
+        assert_eq!(t.get(h), Some(k as u32 & 0xffff));
     }
-    // Four fifths gone: the table was laid out again, smaller.
+    // Hashes that share a held one's top 64 bits, or differ from it in
+    // its leading low bits, are not held.
+    for &h in &held[..1000] {
+        assert_eq!(t.get(h ^ (1 << 127)), None);
+        assert_eq!(t.get(h ^ (1 << 63)), None);
+    }
+    let absent = (0..200_000)
+        .filter(|_| t.get(rng.random()).is_some())
+        .count();
+    assert_eq!(absent, 0);
+    assert_eq!(t.len, held.len());
+}
+
+/// One step of the model test below.
+#[derive(Clone, Debug)]
+enum Op {
+    /// Inserts the pool's hash at this index with the open epoch's tag.
+    Insert(usize),
+    /// Looks the pool's hash up.
+    Get(usize),
+    /// Closes the open epoch; the oldest live one dies once `LIVE` are.
+    Checkpoint,
+    /// Drops the dead entries.
+    Purge,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        300 => (0..4_000usize).prop_map(Op::Insert),
+        100 => (0..4_000usize).prop_map(Op::Get),
+        2 => Just(Op::Checkpoint),
+        1 => Just(Op::Purge),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Against a map: a live entry is always found with its tag, a
+    /// dead one with its old tag or not at all, and no other hash is
+    /// found; an insert finds what the map holds live. The pool mixes
+    /// random hashes with groups of four that share their top 64 bits
+    /// (and differ in the low bits every scale keeps), and long runs
+    /// grow the table through several scales.
+    #[test]
+    fn a_table_agrees_with_a_map(seed in any::<u64>(), ops in prop::collection::vec(op(), 1..6_000)) {
+        use rand::{Rng, SeedableRng};
+        use std::collections::HashMap;
+        use super::Insert;
+        const LIVE: u32 = 8;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut top = 0u64;
+        let pool: Vec<u128> = (0..4_000u64)
+            .map(|k| {
+                let h: u128 = rng.random();
+                // A quarter of the hashes come in groups of four with
+                // one top; within a group the low half's two leading
+                // bits differ, which even the smallest scale keeps
+                // (real hashes share a top with a chance of 2^-64).
+                if k % 16 < 4 {
+                    if k % 16 == 0 {
+                        top = rng.random();
+                    }
+                    let low = (k % 4) << 62 | (h as u64) >> 2;
+                    u128::from(top) << 64 | u128::from(low)
+                } else {
+                    h
+                }
+            })
+            .collect();
+        let long = ops.len() > 3_000;
+        let mut widest = 0;
+        let (mut t, mut model) = (FpTable::default(), HashMap::<u128, u32>::new());
+        let mut open = LIVE;
+        for op in ops {
+            let floor = open + 1 - LIVE;
+            let dead = |g: u32| g < floor;
+            match op {
+                Op::Insert(k) => {
+                    let h = pool[k];
+                    // Both inserts, the one that reuses dead slots and the one
+                        // that only replaces a dead entry of the same hash.
+                        let got = if k % 2 == 0 {
+                            t.insert_reusing(h, open, dead)
+                        } else {
+                            t.insert(h, open, dead)
+                        };
+                    match model.get(&h) {
+                        Some(&g) if !dead(g) => prop_assert_eq!(got, Insert::Present(g)),
+                        _ => {
+                            prop_assert!(got != Insert::Present(open) && !matches!(got, Insert::Present(_)), "{got:?}");
+                            model.insert(h, open);
+                        }
+                    }
+                }
+                Op::Get(k) => {
+                    let h = pool[k];
+                    let got = t.get(h);
+                    match model.get(&h) {
+                        Some(&g) if !dead(g) => prop_assert_eq!(got, Some(g)),
+                        Some(&g) => prop_assert!(got == Some(g) || got.is_none(), "{got:?} for dead {g}"),
+                        None => prop_assert_eq!(got, None),
+                    }
+                }
+                Op::Checkpoint => open += 1,
+                Op::Purge => {
+                    t.purge(dead, 5);
+                    t.check_invariants();
+                    model.retain(|_, g| !dead(*g));
+                }
+            }
+            widest = widest.max(t.scale.s);
+        }
+        t.check_invariants();
+        prop_assert!(!long || widest >= 9, "the table stayed at scale {widest}");
+        let floor = open + 1 - LIVE;
+        for (h, g) in &model {
+            if *g >= floor {
+                prop_assert_eq!(t.get(*h), Some(*g));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_table_laid_out_at_once_or_packed_finds_what_it_holds() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut entries: Vec<(u128, u32)> = (0..300_000u32).map(|k| (rng.random(), k % 7)).collect();
+    // Two entries of one hash: the higher tag stays.
+    entries.push((entries[10].0, 99));
+    let fresh: Vec<u128> = (0..100_000).map(|_| rng.random()).collect();
+    let mut t = FpTable::from_entries(entries.clone(), 85);
+    assert_eq!(t.len, 300_000);
+    let want = |k: usize| if k == 10 { 99 } else { entries[k].1 };
+    for (k, &(h, _)) in entries[..300_000].iter().enumerate() {
+        assert_eq!(t.get(h), Some(want(k)), "entry {k}");
+    }
+    assert!(fresh.iter().all(|&h| t.get(h).is_none()));
     assert!(
-        t.memory_bytes() * 3 < before,
-        "{} of {before}",
+        t.memory_bytes() < 300_000 * 16,
+        "{} bytes",
         t.memory_bytes()
     );
-    let mut keys = Vec::new();
-    t.for_each(|k, _| keys.push(k));
-    assert!(keys.windows(2).all(|w| w[0] < w[1]));
-    assert_eq!(keys.len(), t.len());
-    let left = t.len();
-    assert_eq!(t.purge(|_| true), left);
-    assert!(t.is_empty());
+    // Grown, then most entries dropped and the rest packed: a smaller
+    // scale, whose fields keep fewer low bits.
+    for &h in &fresh {
+        add(&mut t, h, 1);
+    }
+    let before = t.scale;
+    t.purge(|g| g != 3, 5);
+    t.pack();
+    assert!(t.scale.s < before.s, "{:?} after {before:?}", t.scale);
+    for (k, &(h, g)) in entries[..300_000].iter().enumerate() {
+        assert_eq!(t.get(h), (want(k) == 3).then_some(3), "entry {k}, tag {g}");
+    }
+    assert!(fresh.iter().all(|&h| t.get(h).is_none()));
 }
 
 #[test]
-fn inserts_reuse_the_slots_of_dead_entries() {
-    let h = |i: u64| xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
+fn a_purge_keeps_the_live_and_inserts_reuse_the_dead() {
+    use super::Insert;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let hashes: Vec<u128> = (0..100_000).map(|_| rng.random()).collect();
     let mut t = FpTable::default();
-    for i in 0..40_000u64 {
-        assert_eq!(t.insert(h(i), (i % 10) as u32, never), Insert::Added);
+    for (k, &h) in hashes.iter().enumerate() {
+        assert_eq!(
+            t.insert_reusing(h, 1 + (k % 5) as u32, |_| false),
+            Insert::Added
+        );
     }
-    let (len, homes) = (t.len(), t.homes);
-    // Tags 0 to 4 are dead: 20,000 entries that no longer answer.
-    let dead = |tag: u32| tag < 5;
-    let mut replaced = 0;
-    for i in 40_000..60_000u64 {
-        match t.insert_reusing(h(i), 10, dead) {
+    let tag = |k: usize| 1 + (k % 5) as u32;
+    assert_eq!(t.purge(|g| g <= 2, 5), 40_000);
+    assert_eq!(t.len, 60_000);
+    for (k, &h) in hashes.iter().enumerate() {
+        assert_eq!(t.get(h), (tag(k) > 2).then_some(tag(k)), "entry {k}");
+    }
+    // Tags 3 are dead from here: their hashes come back with tag 6,
+    // and fresh hashes take their slots or empty ones.
+    let dead = |g: u32| g == 3;
+    let (mut added, mut replaced) = (0, 0);
+    for (k, &h) in hashes.iter().enumerate() {
+        match t.insert_reusing(h, 6, dead) {
+            Insert::Present(g) => assert!(g > 3 && g == tag(k), "entry {k}: {g}"),
             Insert::Replaced => replaced += 1,
-            Insert::Added => {}
-            Insert::Present(_) => panic!("{i} was never inserted"),
+            Insert::Added => added += 1,
         }
-        if i % 5_000 == 0 {
-            t.check_invariants();
+    }
+    assert_eq!(replaced, 20_000, "the dead entries of the same hashes");
+    assert_eq!(added, 40_000, "the purged ones");
+    // Now tags 4 are dead: fresh hashes shifting entries stop at the
+    // first of them and overwrite it, and the table holds no more.
+    let dead = |g: u32| g == 4;
+    let fresh: Vec<u128> = (0..50_000).map(|_| rng.random()).collect();
+    let before = t.len;
+    let mut reused = 0;
+    for &h in &fresh {
+        match t.insert_reusing(h, 7, dead) {
+            Insert::Present(g) => panic!("a fresh hash held with tag {g}"),
+            Insert::Replaced => reused += 1,
+            Insert::Added => {}
+        }
+    }
+    assert!(reused > 1_000, "{reused} dead slots reused");
+    assert_eq!(t.len, before + 50_000 - reused);
+    for &h in &fresh {
+        assert_eq!(t.get(h), Some(7));
+    }
+    for (k, &h) in hashes.iter().enumerate() {
+        match tag(k) {
+            4 => assert!(matches!(t.get(h), Some(4) | None), "entry {k}"),
+            5 => assert_eq!(t.get(h), Some(5), "entry {k}"),
+            _ => assert_eq!(t.get(h), Some(6), "entry {k}"),
+        }
+    }
+}
+
+#[test]
+fn a_table_with_many_equal_top_bits_keeps_them_apart() {
+    // Hundreds of hashes a top, at the ends of the range and between:
+    // they differ only in leading low bits, which an entry made at the
+    // smallest scale keeps (11 of them).
+    let mut t = FpTable::default();
+    let tops = [0u64, 1, u64::MAX, 1 << 40, 12345];
+    let hash = |top: u64, k: u128| u128::from(top) << 64 | k << 53 | k;
+    for (n, &top) in tops.iter().enumerate() {
+        for k in 0..200u128 {
+            assert!(add(&mut t, hash(top, k), (n * 1000 + k as usize) as u32));
         }
     }
     t.check_invariants();
+    // Four of the tops share home 0 until the table has 2^24 homes: 800
+    // entries, of which at most 255 fit there, the rest in the stash.
+    assert!(t.stash.len() >= 800 - 255, "{} stashed", t.stash.len());
     assert!(
-        replaced > 5_000,
-        "only {replaced} of 20,000 reused a dead slot"
+        t.len() == 1_000 && t.slot_count() < 10_000,
+        "{} slots",
+        t.slot_count()
     );
-    assert_eq!(t.len(), len + 20_000 - replaced);
-    assert!(
-        t.homes <= homes + homes / 5,
-        "grew from {homes} to {}",
-        t.homes
-    );
-    // Every live entry answers with its tag; a dead one never answers as live.
-    for i in 0..60_000u64 {
-        let want = if i >= 40_000 { 10 } else { (i % 10) as u32 };
-        match t.get(h(i)) {
-            Some(tag) => assert!(tag == want && (!dead(want) || i < 40_000), "{i}: tag {tag}"),
-            None => assert!(dead(want), "{i} (tag {want}) is lost"),
+    for (n, &top) in tops.iter().enumerate() {
+        for k in 0..200u128 {
+            assert_eq!(
+                t.get(hash(top, k)),
+                Some((n * 1000 + k as usize) as u32),
+                "{top} {k}"
+            );
+            assert!(!add(&mut t, hash(top, k), 1));
         }
+        assert_eq!(t.get(hash(top, 200)), None);
     }
+    t.pack();
+    t.check_invariants();
+    assert!((0..200).all(|k| t.get(hash(1, k)).is_some()));
+    // A purge keeps the stash's live entries and drops its dead ones.
+    t.purge(|g| g >= 1000, 8);
+    t.check_invariants();
+    assert_eq!(t.len(), 200);
+    assert!((0..200).all(|k| t.get(hash(1, k)).is_none() && t.get(hash(0, k)).is_some()));
 }
 
 /// An aimed lookup, with the fetches of a small table or of a large one.
@@ -244,19 +457,20 @@ fn an_aimed_lookup_answers_as_get() {
     for i in 0..20_000u64 {
         t.insert(h(i), (i % 7) as u32, never);
     }
-    t.insert(0, 5, never);
     // Epochs 0 and 1 dropped: their entries stay until a purge.
     let dead = |tag: u32| tag < 2;
     for i in 20_000..25_000u64 {
         t.insert_reusing(h(i), 9, dead);
     }
-    for i in (0..40_000u64).map(h).chain([0, 1 << 24]) {
+    for i in (0..40_000u64).map(h) {
         assert_eq!(aimed::<false>(&t, i), t.get(i), "{i:x}");
         assert_eq!(aimed::<true>(&t, i), t.get(i), "{i:x}");
     }
-    t.purge(dead);
-    assert_eq!(aimed::<false>(&t, 0), Some(5));
-    assert_eq!(aimed::<true>(&t, 0), Some(5));
+    t.purge(dead, 5);
+    for i in (0..40_000u64).map(h) {
+        assert_eq!(aimed::<false>(&t, i), t.get(i), "{i:x}");
+        assert_eq!(aimed::<true>(&t, i), t.get(i), "{i:x}");
+    }
 }
 
 /// The mappings in `/proc/self/smaps` that overlap `s`: the bytes the
@@ -314,115 +528,38 @@ fn a_grown_table_settles_on_huge_pages() {
     assert!(!t.huge, "a table grown by inserts counts as advised");
     // Its slots have a mapping of their own, on huge pages from the first
     // write: settling has no copy to make.
-    assert!(t.slots.is_mapped(), "about 12 MiB of slots on the heap");
-    let huge: u64 = mappings(&t.slots).iter().sum();
+    assert!(t.raw.is_mapped(), "about 12 MiB of slots on the heap");
+    let huge: u64 = mappings(&t.raw).iter().sum();
     assert!(
-        huge * 2 >= size_of_val(&*t.slots) as u64,
+        huge * 2 >= size_of_val(&*t.raw) as u64,
         "{huge} B of {} B of slots on huge pages before settling",
-        size_of_val(&*t.slots)
+        size_of_val(&*t.raw)
     );
     t.settle_pages();
     assert!(t.huge);
-    let slots: u64 = mappings(&t.slots).iter().sum();
+    let slots: u64 = mappings(&t.raw).iter().sum();
     assert!(
         slots >= 4 << 20,
         "{slots} B of {} B of slots on huge pages after settling",
-        size_of_val(&*t.slots)
+        size_of_val(&*t.raw)
     );
     // In one mapping still, so that the next growth moves it rather than
     // copying it (a range marked for huge pages is a mapping of its own).
     assert_eq!(
-        mappings(&t.slots).len(),
+        mappings(&t.raw).len(),
         1,
         "the settled slots span several mappings"
     );
     t.check_invariants();
     // Settled once, the next epoch's growth makes it settle again.
-    let before = t.slots.len();
-    while t.slots.len() == before {
+    let before = t.raw.len();
+    while t.raw.len() == before {
         added(
             &mut t,
             u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x)),
         );
     }
     assert!(!t.huge, "a grown table counts as settled");
-}
-
-/// The canonical layout of sorted `hashes` over `homes` home slots, and
-/// its filter, made the plain way.
-fn canonical(hashes: &[u128], homes: usize) -> (Vec<u128>, Vec<u64>) {
-    let mut slots = vec![0u128; slots_for(homes)];
-    let mut filter = vec![0u64; filter_words(homes)];
-    let mut next = 0;
-    for &h in hashes {
-        let at = home_of(h, homes).max(next);
-        slots[at] = h;
-        mark(&mut filter, h);
-        next = at + 1;
-    }
-    (slots, filter)
-}
-
-/// `slots` copied into an array of the kind a table of their length gets
-/// when it is made empty: a mapping of its own once they are large.
-fn made(slots: &[u128]) -> Slots {
-    let mut s = Slots::zeroed(slots.len());
-    s.copy_from_slice(slots);
-    s
-}
-
-#[test]
-fn layouts_in_either_direction_match_the_canonical_one() {
-    // Small tables stay on the heap; large ones are laid out from the
-    // heap into a mapping and within it.
-    for n in [20_000, 300_000] {
-        let mut x = 11;
-        let mut hashes: Vec<u128> = (0..n)
-            .map(|_| (u128::from(xorshift(&mut x)) << 64 | u128::from(xorshift(&mut x))) | 1)
-            .collect();
-        hashes.sort_unstable();
-        hashes.dedup();
-        let n = hashes.len();
-        let large = slots_for(n) * 16 >= slots::MAPPED_BYTES;
-        // From a compact vector (every entry moves right), then from each
-        // layout to smaller (left), slightly larger (mostly right, some
-        // left: a new vector) and much larger (right) tables, over many
-        // blocks, from the heap and from a mapping.
-        for first in [n * 100 / 85, n * 100 / 60, n * 3] {
-            let (slots, homes, filter) = lay_out(Slots::from(hashes.clone()), first, false);
-            assert_eq!(slots.is_mapped(), large && cfg!(target_os = "linux"));
-            let (want, want_filter) = canonical(&hashes, homes);
-            assert_eq!(&*slots, &want[..], "from compact to {homes} homes");
-            assert_eq!(&*filter, &want_filter[..]);
-            for to in [n * 100 / 90, n * 100 / 85, homes + homes / 12, homes * 4] {
-                for from in [Slots::from(slots.to_vec()), made(&slots)] {
-                    let mapped = from.is_mapped();
-                    let (again, to_homes, filter) = lay_out(from, to, false);
-                    let (want, want_filter) = canonical(&hashes, to_homes);
-                    assert_eq!(
-                        &*again,
-                        &want[..],
-                        "from {homes} to {to_homes} homes (mapped: {mapped})"
-                    );
-                    assert_eq!(&*filter, &want_filter[..]);
-                    assert!(!mapped || again.is_mapped(), "a mapping left for the heap");
-                }
-            }
-        }
-        // Spread out, then compact: over four times as many homes the first
-        // half moves both ways and the second half right, so a new vector.
-        let mut spread = Vec::new();
-        for (i, &h) in hashes.iter().enumerate() {
-            spread.push(h);
-            if i < n / 2 {
-                spread.extend([0; 3]);
-            }
-        }
-        let (slots, homes, filter) = lay_out(Slots::from(spread), n * 4, false);
-        let (want, want_filter) = canonical(&hashes, homes);
-        assert_eq!(&*slots, &want[..], "from spread out to {homes} homes");
-        assert_eq!(&*filter, &want_filter[..]);
-    }
 }
 
 #[cfg(target_os = "linux")]
