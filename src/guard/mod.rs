@@ -21,8 +21,9 @@ use crate::store::{
 };
 
 /// Bytes a content hash is reckoned to take in memory when recovery
-/// decides, before loading, which sealed epochs fit the memory budget.
-const EST_BYTES_PER_HASH: u64 = 20;
+/// decides, before loading, which sealed epochs fit the memory budget: a
+/// table laid out at recovery, 12-byte slots 85% full and their filter.
+const EST_BYTES_PER_HASH: u64 = 15;
 /// Largest memory budget accepted: 1 PiB.
 const MAX_MEMORY_BYTES: u64 = 1 << 50;
 /// How far ahead a batch of records fetches: filter words this many records

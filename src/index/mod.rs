@@ -7,8 +7,8 @@
 //!   epoch. Sealing an epoch costs nothing; dropping one only raises the
 //!   lane's floor, below which entries no longer answer. An insert takes
 //!   the slot of the first such entry its shift meets, and the table is
-//!   purged at a checkpoint, in one in-place pass, once a sixteenth of it
-//!   is below the floor.
+//!   purged at a checkpoint, in one in-place pass, once an eighth of it is
+//!   below the floor.
 //!   Hashes recorded one call at a time wait in a small buffer of the lane
 //!   (read by every lookup) and are placed sixteen at a time, so that the
 //!   cache misses of their inserts overlap as a batch's do.
@@ -221,12 +221,13 @@ pub struct LaneIndex {
 const DEFERRED: usize = if cfg!(test) { 4 } else { 16 };
 
 /// The table is purged at a checkpoint once more than one entry in this
-/// many is below the floor (BENCHMARKS.md, "A purge at a checkpoint is
-/// enough").
-const PURGE_SHARE: u64 = 16;
-/// A purge lays the table out with room for one more entry in this many,
-/// so that the open epoch's inserts do not grow it at once.
-const PURGE_ROOM: usize = 8;
+/// many is below the floor (BENCHMARKS.md, "The lanes' table in 12-byte
+/// slots").
+const PURGE_SHARE: u64 = 8;
+/// A purge lays the table out with room for one more live entry in this
+/// many (or for an epoch as large as the newest, if that is more), so that
+/// the open epoch's inserts do not grow it at once.
+const PURGE_ROOM: u64 = 8;
 
 impl LaneIndex {
     /// A lane whose open epoch is `open` and whose oldest live epoch is
@@ -710,10 +711,12 @@ impl LaneIndex {
 
     /// Drops every epoch older than `oldest_live`, whole: the cost is that
     /// of the dropped epochs' bitmaps, not of the live ones. The table is
-    /// purged once a sixteenth of it is below the floor, or when its oldest
+    /// purged once an eighth of it is below the floor, or when its oldest
     /// tags would soon be ambiguous.
     pub fn drop_before(&mut self, oldest_live: u64) {
         self.place_deferred();
+        // Read before the drop, which may take the newest epoch too.
+        let newest = self.epochs.back().map_or(0, |e| e.hashes);
         while self.epochs.front().is_some_and(|e| e.epoch < oldest_live) {
             let Some(e) = self.epochs.pop_front() else {
                 break;
@@ -735,7 +738,7 @@ impl LaneIndex {
         self.refresh_ranges();
         self.oldest = self.oldest.max(oldest_live);
         self.floor = self.floor.max(self.oldest);
-        self.maybe_purge();
+        self.maybe_purge(newest);
     }
 
     /// Marks the epochs below `floor` as kept on disk: their hashes leave
@@ -753,21 +756,28 @@ impl LaneIndex {
             }
         }
         self.floor = floor;
-        self.purge();
+        self.purge(self.epochs.back().map_or(0, |e| e.hashes));
     }
 
-    fn maybe_purge(&mut self) {
+    fn maybe_purge(&mut self, newest: u64) {
         let stale = self.below_floor * PURGE_SHARE > self.hashes.len() as u64;
         // Tags repeat every TAG_SPAN epochs: entries must leave before
         // they could be read as a newer epoch.
         let aging = self.open.saturating_sub(self.floor) > TAG_SPAN / 4 && self.below_floor > 0;
         if stale || aging {
-            self.purge();
+            self.purge(newest);
         }
     }
 
-    fn purge(&mut self) {
-        self.hashes.purge(below(self.open, self.floor), PURGE_ROOM);
+    /// Drops the entries below the floor. The table is laid out with room
+    /// for an eighth more live entries, and at least for `newest` (the
+    /// hashes of the newest epoch): the next epoch's inserts then rarely
+    /// grow it, even in a table the purge emptied.
+    fn purge(&mut self, newest: u64) {
+        let live = (self.hashes.len() as u64).saturating_sub(self.below_floor);
+        let room = (live / PURGE_ROOM).max(newest);
+        self.hashes
+            .purge(below(self.open, self.floor), room as usize);
         self.below_floor = 0;
     }
 

@@ -524,6 +524,9 @@ pub struct FpTable {
     len: usize,
     /// Entries no layout could place within `MAX_DIST` of their homes.
     stash: Vec<Stashed>,
+    /// Entries dropped by purges since the filter was filled, whose bits
+    /// it still has.
+    stale: usize,
     /// Whether the slots and filter were given huge-page advice
     /// ([`FpTable::settle_pages`]) since they were last laid out.
     huge: bool,
@@ -539,6 +542,7 @@ impl Default for FpTable {
             scale: Scale::new(16),
             len: 0,
             stash: Vec::new(),
+            stale: 0,
             huge: false,
         }
     }
@@ -554,6 +558,7 @@ impl FpTable {
             scale: Scale::new(homes as u64),
             len: 0,
             stash: Vec::new(),
+            stale: 0,
             huge: false,
         }
     }
@@ -859,10 +864,12 @@ impl FpTable {
     }
 
     /// Drops every entry whose tag `drop` accepts, moving the others left
-    /// towards their homes in one pass, then, if the table is much emptier
-    /// than `PACKED_LOAD_PCT` full with room for `1/room` more entries,
-    /// lays it out that full; otherwise it refills the filter. Returns the
-    /// entries dropped.
+    /// towards their homes in one pass. Then, if the table is much larger
+    /// than `PACKED_LOAD_PCT` full with room for `room` more entries, it
+    /// is laid out that full; otherwise the filter is refilled, once the
+    /// entries dropped since it was filled are a quarter of those kept
+    /// (until then their bits only let a few more absent hashes through
+    /// to the slots). Returns the entries dropped.
     pub fn purge(&mut self, drop: impl Fn(u32) -> bool, room: usize) -> usize {
         let before = self.len();
         // Removing entries only moves the others left, towards their
@@ -874,28 +881,36 @@ impl FpTable {
             if f == 0 {
                 continue;
             }
-            self.words_mut()[j] = [0; SLOT];
             if drop(t) {
+                self.words_mut()[j] = [0; SLOT];
                 continue;
             }
             let home = j - d;
             let at = home.max(next);
-            self.put(at, f, at - home, t);
+            // An entry that stays is not written: most do.
+            if at != j {
+                self.words_mut()[j] = [0; SLOT];
+                self.put(at, f, at - home, t);
+            }
             next = at + 1;
             kept += 1;
         }
         self.len = kept;
         self.stash.retain(|e| !drop(e.tag));
         self.huge = false;
+        let want = ((kept + room) * 100 / PACKED_LOAD_PCT + 1).max(16);
         if self.is_empty() {
-            *self = FpTable::default();
+            *self = if room == 0 {
+                FpTable::default()
+            } else {
+                FpTable::with_homes(want)
+            };
             return before;
         }
-        let packed = kept * 100 / PACKED_LOAD_PCT + 1;
-        let roomy = packed + packed / room.max(1);
-        if roomy * 4 < self.scale.homes as usize * 3 {
-            self.grow(roomy.max(16));
-        } else {
+        self.stale += before - self.len();
+        if want * 4 < self.scale.homes as usize * 3 {
+            self.grow(want);
+        } else if self.stale * 4 > self.len() {
             // The dropped entries' filter bits go: a division an entry
             // gives each kept entry's top bits back.
             self.filter = Box::default();
@@ -908,6 +923,7 @@ impl FpTable {
                 }
             }
             self.filter = filter;
+            self.stale = 0;
         }
         before - self.len()
     }
@@ -1005,6 +1021,7 @@ impl FpTable {
             }
         }
         self.filter = filter;
+        self.stale = 0;
         self.scale = to;
     }
 

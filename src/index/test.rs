@@ -206,3 +206,35 @@ fn a_table_that_grew_during_an_epoch_is_settled_when_it_closes() {
         assert_eq!(found(&lane, None, Some(hash(k))), None, "dropped {k}");
     }
 }
+
+#[test]
+fn a_purge_that_empties_the_table_keeps_room_for_the_next_epoch() {
+    let mut lane = LaneIndex::new(0, 0, 0);
+    for i in 0..50_000u64 {
+        lane.insert(0, None, Some(hash(i)));
+    }
+    // A retention of one epoch: the checkpoint drops the epoch it closes.
+    lane.drop_before(1);
+    lane.close(1);
+    assert!(lane.hashes.is_empty());
+    let slots = lane.hashes.slot_count();
+    assert!(slots >= 50_000, "{slots} slots");
+    // An epoch as large as the last one does not grow it.
+    for i in 50_000..100_000u64 {
+        lane.insert(1, None, Some(hash(i)));
+    }
+    assert_eq!(
+        lane.hashes.slot_count(),
+        slots,
+        "the next epoch grew the table"
+    );
+    for i in 0..50_000u64 {
+        assert_eq!(found(&lane, None, Some(hash(i))), None, "dropped {i}");
+    }
+    for i in 50_000..100_000u64 {
+        assert_eq!(
+            found(&lane, None, Some(hash(i))),
+            Some((Reason::SameContent, 1))
+        );
+    }
+}
