@@ -657,8 +657,12 @@ impl Feed {
         self.checkpoint();
         let spent = thread_cpu_now().saturating_sub(started);
         let s = self.g.stats();
-        self.per_live
-            .push(s.memory_bytes as f64 / s.live_fingerprints.max(1) as f64);
+        // A window of one epoch has none live after its checkpoint, only
+        // the room the table keeps for the next epoch.
+        if s.live_fingerprints > 0 {
+            self.per_live
+                .push(s.memory_bytes as f64 / s.live_fingerprints as f64);
+        }
         spent
     }
 
