@@ -434,6 +434,14 @@ fn units(n: usize) -> usize {
     (n * SLOT).div_ceil(16)
 }
 
+/// Whether a layout cannot put an entry whose home is `home` at `place`
+/// in a table of `slots` slots: too far from home, or in the last slot,
+/// which stays empty.
+#[inline]
+fn out_of_reach(place: usize, home: usize, slots: usize) -> bool {
+    place - home > MAX_DIST || place + 1 >= slots
+}
+
 /// Layouts that grow the table for an entry that does not fit before it
 /// goes to the stash instead.
 const LAYOUT_TRIES: u32 = 2;
@@ -970,7 +978,7 @@ impl FpTable {
                 let (_, h, _) = from.rescaled((j - d) as u64, f, to);
                 let h = h as usize;
                 let place = h.max(at);
-                if place - h > MAX_DIST || place + 1 >= n {
+                if out_of_reach(place, h, n) {
                     if tries < LAYOUT_TRIES {
                         tries += 1;
                         homes += homes / 8 + 16;
@@ -1002,7 +1010,7 @@ impl FpTable {
                 let (top, h, nf) = from.rescaled((j - d) as u64, f, to);
                 let h = h as usize;
                 let place = h.max(at);
-                if place - h > MAX_DIST || place + 1 >= n {
+                if out_of_reach(place, h, n) {
                     self.stash.push(Stashed::of_field(from, j - d, f, t));
                     self.len -= 1;
                     continue;
@@ -1041,7 +1049,7 @@ impl FpTable {
                 let (top, h, nf) = self.scale.rescaled((j - d) as u64, f, to);
                 let h = h as usize;
                 let place = h.max(at);
-                if place - h > MAX_DIST || place + 1 >= next.n {
+                if out_of_reach(place, h, next.n) {
                     if tries < LAYOUT_TRIES {
                         tries += 1;
                         homes += homes / 8 + 16;
@@ -1085,7 +1093,7 @@ impl FpTable {
                 let (home, field) = t.scale.encode(hash);
                 let home = home as usize;
                 let place = home.max(at);
-                if place - home > MAX_DIST || place + 1 >= t.n {
+                if out_of_reach(place, home, t.n) {
                     if tries < LAYOUT_TRIES {
                         tries += 1;
                         homes += homes / 8 + 16;
