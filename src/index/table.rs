@@ -55,7 +55,7 @@ pub const PACKED_LOAD_PCT: usize = 85;
 
 /// Slots (of all the tables a batch reads) above which a batched check
 /// fetches into the second-level cache rather than the first, and fetches
-/// `FAR_LINES` slot lines: 64 MiB of slots, about 4.5M entries at 85%
+/// `FAR_LINES` slot lines: 64 MiB of slots, about 4.8M entries at 85%
 /// load. Measured in one process on this machine (AMD EPYC, 32 MiB of
 /// L3) with 16-byte slots, sealed batched hits: at 1M entries (19 MB of
 /// slots, mostly in L3) the second-level fetch ran 0.84 to 0.89 times the
