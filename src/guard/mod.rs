@@ -13,7 +13,8 @@ use crate::changelog::{Shipment, Shipped};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::index::{
-    Aim, DiskFilter, FAR_SLOTS, LaneIndex, Lookup, Reason, TAG_SPAN, key_of, resolve,
+    Aim, DiskFilter, FAR_SLOTS, LaneIndex, Lookup, Reason, TAG_SPAN, keep_last_of_each_key, key_of,
+    resolve,
 };
 use crate::store::{
     Chunk, ChunkWrite, Durability, EpochInfo, FORMAT_VERSION, LaneName, LanePosition, Manifest,
@@ -24,6 +25,14 @@ use crate::store::{
 /// decides, before loading, which sealed epochs fit the memory budget: a
 /// table laid out at recovery, 12-byte slots 85% full and their filter.
 const EST_BYTES_PER_HASH: u64 = 15;
+/// The error for a chunk of a lane the lane table does not name.
+fn unknown_lane(path: &std::path::Path, lane: u32) -> Error {
+    Error::Corrupt {
+        path: path.to_owned(),
+        what: format!("a chunk names lane {lane}, which is not in the lane table"),
+    }
+}
+
 /// Largest memory budget accepted: 1 PiB.
 const MAX_MEMORY_BYTES: u64 = 1 << 50;
 /// How far ahead a batch of records fetches: filter words this many records
@@ -483,10 +492,9 @@ impl Guard {
         let mut counts: BTreeMap<(u32, u64), [u64; 3]> = BTreeMap::new();
         let mut seen_below = vec![0u64; lanes.len()];
         self.store.load_chunks(oldest, |e, lane, seq, chunk| {
-            let l = lanes.get_mut(lane as usize).ok_or_else(|| Error::Corrupt {
-                path: path.clone(),
-                what: format!("a chunk names lane {lane}, which is not in the lane table"),
-            })?;
+            let l = lanes
+                .get_mut(lane as usize)
+                .ok_or_else(|| unknown_lane(&path, lane))?;
             if e == epoch {
                 // New chunks in the open epoch must not overwrite old ones.
                 l.next_seq = l.next_seq.max(seq + 1);
@@ -1379,7 +1387,15 @@ impl Guard {
     /// read from the epochs' chunks, as a recovery reads them.
     fn spill_to(&mut self, floor: u64) -> Result<()> {
         let from = self.floor;
-        let moving = self.hashes_in(from, floor)?;
+        let any = self
+            .lanes
+            .iter()
+            .any(|l| (from..floor).any(|e| l.index.epoch_hashes(e) > 0));
+        let moving = if any {
+            self.hashes_in(from, floor)?
+        } else {
+            vec![Vec::new(); self.lanes.len()]
+        };
         for (id, l) in self.lanes.iter_mut().enumerate() {
             let count: u64 = (from..floor).map(|e| l.index.epoch_hashes(e)).sum();
             if count == 0 && l.index.disk().filter.is_some() {
@@ -1435,23 +1451,13 @@ impl Guard {
             .read_chunks(from, Some(to), |e, lane, _, chunk| {
                 let keys = per_lane
                     .get_mut(lane as usize)
-                    .ok_or_else(|| Error::Corrupt {
-                        path: path.clone(),
-                        what: format!("a chunk names lane {lane}, which is not in the lane table"),
-                    })?;
+                    .ok_or_else(|| unknown_lane(&path, lane))?;
                 keys.extend(chunk.hashes.iter().map(|&h| (key_of(h), e)));
                 Ok(())
             })?;
         for keys in &mut per_lane {
             keys.sort_unstable();
-            // Sorted, one key's entries are adjacent and the newest last.
-            keys.dedup_by(|later, earlier| {
-                let same = later.0 == earlier.0;
-                if same {
-                    *earlier = *later;
-                }
-                same
-            });
+            keep_last_of_each_key(keys);
         }
         Ok(per_lane)
     }

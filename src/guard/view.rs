@@ -6,7 +6,7 @@ use std::path::Path;
 use roaring::RoaringTreemap;
 
 use super::{EST_BYTES_PER_HASH, Guard};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::index::DiskFilter;
 use crate::store::{LaneName, Manifest, Store};
 
@@ -90,13 +90,13 @@ impl Guard {
     /// Unlike [`Guard::builder`]`(..).open()`, it loads no index, deletes
     /// no leftover chunk and builds no on-disk index of sealed hashes. It
     /// takes the folder's lock while it reads, so it fails with
-    /// [`Error::InUse`] while a guard has the folder open. fjall may tidy
+    /// [`Error::InUse`](crate::Error::InUse) while a guard has the folder open. fjall may tidy
     /// its own files under `db/` as it opens (its journal, its version
     /// files); what the guard keeps there is read, never written.
     ///
     /// # Errors
     ///
-    /// [`Error::StateFolder`] for a path that is not a state folder, and the
+    /// [`Error::StateFolder`](crate::Error::StateFolder) for a path that is not a state folder, and the
     /// errors of [`GuardBuilder::open`](super::GuardBuilder::open) for one
     /// that is in use, foreign, of another version or damaged.
     pub fn inspect(path: impl AsRef<Path>) -> Result<FolderView> {
@@ -122,10 +122,7 @@ impl Guard {
         let mut sums: BTreeMap<(u64, u32), Sums> = BTreeMap::new();
         store.read_chunks(oldest, None, |e, lane, _, chunk| {
             if !lanes.contains_key(&lane) {
-                return Err(Error::Corrupt {
-                    path: path.to_owned(),
-                    what: format!("a chunk names lane {lane}, which is not in the lane table"),
-                });
+                return Err(super::unknown_lane(path, lane));
             }
             let s = sums.entry((e, lane)).or_default();
             s.hashes += chunk.hashes.len() as u64;

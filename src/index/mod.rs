@@ -138,6 +138,18 @@ pub enum Lookup {
     },
 }
 
+/// Keeps one entry of each key of a vector sorted by `(key, value)`: the
+/// last, with the highest value (the newest epoch, or the higher tag).
+pub fn keep_last_of_each_key<T: Copy>(v: &mut Vec<(u128, T)>) {
+    v.dedup_by(|later, earlier| {
+        let same = later.0 == earlier.0;
+        if same {
+            *earlier = *later;
+        }
+        same
+    });
+}
+
 /// The epoch of a tag, read relative to the open epoch: the newest epoch
 /// at or below it with that tag.
 #[inline]
@@ -619,20 +631,14 @@ impl LaneIndex {
     pub fn load_hashes(&mut self, mut entries: Vec<(u128, u64)>) {
         debug_assert!(self.deferred.is_empty(), "a lane loads before it records");
         entries.sort_unstable();
-        // Sorted, one key's entries are adjacent and the newest last.
-        entries.dedup_by(|later, earlier| {
-            let same = later.0 == earlier.0;
-            if same {
-                *earlier = *later;
-            }
-            same
-        });
+        keep_last_of_each_key(&mut entries);
         let mut counts: std::collections::BTreeMap<u64, u64> = Default::default();
         for &(_, e) in &entries {
             *counts.entry(e).or_default() += 1;
         }
+        // Still sorted by key, one entry a key: laid out without a sort.
         let tagged = entries.into_iter().map(|(k, e)| (k, tag_of(e))).collect();
-        self.hashes = FpTable::from_entries(tagged, table::PACKED_LOAD_PCT);
+        self.hashes = FpTable::from_sorted(tagged, table::PACKED_LOAD_PCT);
         for (e, n) in counts {
             self.epoch_mut(e).hashes = n;
             self.live_fps += n;

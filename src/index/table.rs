@@ -425,6 +425,17 @@ fn halves(w: &[u8; SLOT]) -> (u64, u32) {
     )
 }
 
+/// Whether a slot's entry (its words `hi` and `lo`) stands for the query
+/// split as `qhi` and `q8`, their offsets (the bits of `mask`) being equal:
+/// the field's low `s + 8` bits, on one 64-bit word, agree above the
+/// entry's marker (`e ^ (e - 1)` is the marker and every bit below it).
+#[inline(always)]
+fn low_bits_match(hi: u64, lo: u32, qhi: u64, q8: u32, mask: u64) -> bool {
+    let e = (hi & !mask) << 8 | u64::from(lo >> 24);
+    let q = (qhi & !mask) << 8 | u64::from(q8);
+    (e ^ q) & !(e ^ e.wrapping_sub(1)) == 0
+}
+
 /// The most slots an entry may sit past its home (its distance plus one
 /// fits a byte, and 0 marks an empty slot).
 const MAX_DIST: usize = 254;
@@ -622,17 +633,26 @@ impl FpTable {
     #[inline]
     #[must_use]
     pub fn get(&self, hash: u128) -> Option<u32> {
-        if !self.stash.is_empty()
-            && let Some(i) = self.stashed(hash)
-        {
-            return Some(self.stash[i].tag);
+        if !self.stash.is_empty() {
+            return self.stash_tag(hash).or_else(|| self.get_in_slots(hash));
         }
+        self.get_in_slots(hash)
+    }
+
+    /// [`FpTable::get`] in the slots alone.
+    #[inline]
+    fn get_in_slots(&self, hash: u128) -> Option<u32> {
         let (word, bits) = filter_bits((hash >> 64) as u64, self.filter.len());
         if !self.lets_through(word, bits) {
             return None;
         }
         let (home, qhi, q8) = self.scale.query(hash);
         self.scan(home, qhi, q8)
+    }
+
+    /// The tag of the stash's entry of `hash`, if it is there.
+    fn stash_tag(&self, hash: u128) -> Option<u32> {
+        self.stashed(hash).map(|i| self.stash[i].tag)
     }
 
     /// The place in the stash of the entry of `hash`, if it is there.
@@ -678,12 +698,8 @@ impl FpTable {
                     return None;
                 }
                 // Equal keys have equal offsets, so only the field's low
-                // `s + 8` bits are left to compare, on one 64-bit word:
-                // above the entry's marker (`re ^ (re - 1)` is the marker
-                // and every bit below it).
-                let re = (hi & !mask) << 8 | u64::from(lo >> 24);
-                let rq = (qhi & !mask) << 8 | u64::from(q8);
-                if (re ^ rq) & !(re ^ re.wrapping_sub(1)) == 0 {
+                // `s + 8` bits are left to compare.
+                if low_bits_match(hi, lo, qhi, q8, mask) {
                     return Some(lo & 0xffff);
                 }
             }
@@ -727,9 +743,9 @@ impl FpTable {
     #[must_use]
     pub fn get_aimed(&self, a: &Aim) -> Option<u32> {
         if !self.stash.is_empty()
-            && let Some(i) = self.stashed(a.hash)
+            && let Some(t) = self.stash_tag(a.hash)
         {
-            return Some(self.stash[i].tag);
+            return Some(t);
         }
         if !a.pass {
             return None;
@@ -802,7 +818,6 @@ impl FpTable {
             let (home, qhi, q8) = self.scale.query(hash);
             let mask = u64::MAX << self.scale.s;
             let qkey = (home as u128) << 64 | u128::from(qhi & mask);
-            let rq = (qhi & !mask) << 8 | u64::from(q8);
             let mut i = home;
             loop {
                 let (hi, lo) = halves(&self.words()[i]);
@@ -811,8 +826,7 @@ impl FpTable {
                 if key > qkey {
                     break;
                 }
-                let re = (hi & !mask) << 8 | u64::from(lo >> 24);
-                if key == qkey && (re ^ rq) & !(re ^ re.wrapping_sub(1)) == 0 {
+                if key == qkey && low_bits_match(hi, lo, qhi, q8, mask) {
                     let t = lo & 0xffff;
                     if !dead(t) {
                         return Insert::Present(t);
@@ -1074,16 +1088,17 @@ impl FpTable {
     /// keeps all the low bits its scale has room for. Of two entries of
     /// one hash, the one with the higher tag is kept.
     #[must_use]
+    #[cfg(test)]
     pub fn from_entries(mut entries: Vec<(u128, u32)>, load_pct: usize) -> Self {
         entries.sort_unstable();
-        // Sorted, one hash's entries are adjacent and the highest tag last.
-        entries.dedup_by(|later, earlier| {
-            let same = later.0 == earlier.0;
-            if same {
-                *earlier = *later;
-            }
-            same
-        });
+        super::keep_last_of_each_key(&mut entries);
+        Self::from_sorted(entries, load_pct)
+    }
+
+    /// [`FpTable::from_entries`] of entries sorted by hash, one a hash.
+    #[must_use]
+    pub fn from_sorted(entries: Vec<(u128, u32)>, load_pct: usize) -> Self {
+        debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0), "unsorted");
         let mut homes = (entries.len() * 100 / load_pct + 1).max(16);
         let mut tries = 0;
         'again: loop {
