@@ -545,9 +545,12 @@ impl Guard {
             .map(|(k, [h, i, o])| (k, crate::changelog::parts_for(h, i, o)))
             .collect();
         if floor > covered {
+            // One entry a key, in its newest epoch, as the spill keeps it:
+            // the oldest would read as dropped while a newer epoch still
+            // holds the key.
             for v in &mut to_spill {
                 v.sort_unstable();
-                v.dedup_by_key(|(k, _)| *k);
+                keep_last_of_each_key(v);
             }
             let entries = to_spill
                 .iter()

@@ -1028,6 +1028,58 @@ fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> 
     Ok(())
 }
 
+#[test]
+fn a_disk_index_rebuilt_from_chunks_keeps_a_hash_in_its_newest_epoch() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let open = || budget_0(dir.path());
+    let mut g = open()?;
+    let lane = g.lane("t", 0);
+    for e in 0..2u64 {
+        for i in e * 100..(e + 1) * 100 {
+            assert!(g.record(lane, Some(i), Some(hash(i)))?.is_fresh());
+        }
+        g.checkpoint(&[(lane, (e + 1) * 100)], Vec::new())?;
+    }
+    drop(g);
+    // Hash 7 of epoch 0 in epoch 1 too, in a chunk of its own; then a disk
+    // index to rebuild from the chunks at the next open.
+    let (store, _) = Store::open(dir.path())?;
+    let Fingerprint::Hash(h) = hash(7) else {
+        unreachable!("a content fingerprint is a hash")
+    };
+    let chunk = Chunk {
+        hashes: vec![h],
+        ..Chunk::default()
+    };
+    let write = ChunkWrite {
+        epoch: 1,
+        lane: 0,
+        seq: 1_000,
+        chunk: &chunk,
+    };
+    store.write(&[write], &[], None, Durability::Sync)?;
+    store.forget_sealed_layout()?;
+    drop(store);
+    let mut g = open()?;
+    assert_eq!(g.stats().memory_fingerprints, 0);
+    assert_eq!(
+        g.check(lane, None, Some(hash(7)))?,
+        dup(Reason::SameContent, 1)
+    );
+    // Once epoch 0 is dropped, hash 7 is still live in epoch 1.
+    while g.oldest == 0 {
+        let next = g.epoch() * 100;
+        g.checkpoint(&[(lane, next)], Vec::new())?;
+    }
+    assert_eq!(g.oldest, 1);
+    assert!(g.check(lane, None, Some(hash(8)))?.is_fresh());
+    assert_eq!(
+        g.check(lane, None, Some(hash(7)))?,
+        dup(Reason::SameContent, 1)
+    );
+    Ok(())
+}
+
 /// What the guard keeps in a folder, read without changing it.
 fn kept(path: &std::path::Path) -> Result<Vec<crate::store::KeptEntry>> {
     match Store::open_read_only(path)? {
