@@ -15,7 +15,8 @@
 //!   epochs of 1,000 (one checkpoint each, `retention_time` 1 h), checked
 //!   in the same run, so their ratio is the cost of many live epochs.
 //! - `record`: `Guard::record` of fresh records with 1 and with 17 live
-//!   epochs of 200,000 records, in the same run; one call a record, then
+//!   epochs of 200,000 records, and with 2 live epochs of 1,700,000 (the
+//!   table 17 make, in two epochs), in the same run; one call a record, then
 //!   `record_many`, then one call a record with the checkpoint after every
 //!   200,000 records timed too (in this thread: the store's background
 //!   threads and the fsync's wait are not counted). The window rolls on
@@ -425,7 +426,7 @@ fn memory(_c: &mut Criterion<ThreadCpu>) {
 fn rolling_memory() {
     const CHECKPOINTS: u64 = 60;
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut feed = Feed::new(dir.path(), 16, CHECKPOINTS * RECORD_EPOCH);
+    let mut feed = Feed::new(dir.path(), 16, RECORD_EPOCH, CHECKPOINTS * RECORD_EPOCH);
     let (mut probes, mut verdicts) = (Vec::with_capacity(BATCH), Vec::new());
     for _ in 0..CHECKPOINTS * RECORD_EPOCH / BATCH as u64 {
         feed.batched(&mut probes, &mut verdicts);
@@ -594,8 +595,8 @@ fn epochs(c: &mut Criterion<ThreadCpu>) {
 }
 
 /// Records taken from a pool of precomputed fingerprints into one lane,
-/// with a checkpoint after every `RECORD_EPOCH` records, so that the
-/// number of live epochs stays as it is.
+/// with a checkpoint after every `epoch` records, so that the number of
+/// live epochs stays as it is.
 ///
 /// The pool is used again and again, each round under a new salt, so that
 /// its fingerprints are new in every round and the window goes on rolling
@@ -612,6 +613,8 @@ struct Feed {
     round: u64,
     at: usize,
     next: u64,
+    /// Records an epoch.
+    epoch: u64,
     /// Index memory per live fingerprint after each checkpoint: the table
     /// also holds entries below the floor until a purge.
     per_live: Vec<f64>,
@@ -623,7 +626,7 @@ impl Feed {
     /// A guard keeping `retention` sealed epochs, fed from a pool of
     /// `pool` precomputed fingerprints (`fp(0..pool)`, so that xxh3 is not
     /// timed).
-    fn new(dir: &std::path::Path, retention: u32, pool: u64) -> Self {
+    fn new(dir: &std::path::Path, retention: u32, epoch: u64, pool: u64) -> Self {
         let mut g = Guard::builder(dir)
             .retention_epochs(retention)
             .open()
@@ -637,6 +640,7 @@ impl Feed {
             round: 0,
             at: 0,
             next: 0,
+            epoch,
             per_live: Vec::new(),
         }
     }
@@ -664,7 +668,7 @@ impl Feed {
     /// After a batch: the checkpoint if an epoch is full, and the memory
     /// it leaves. Returns the thread's CPU time the checkpoint took.
     fn end_batch(&mut self) -> Duration {
-        if !self.next.is_multiple_of(RECORD_EPOCH) {
+        if !self.next.is_multiple_of(self.epoch) {
             return Duration::ZERO;
         }
         let started = thread_cpu_now();
@@ -725,9 +729,10 @@ impl Feed {
     }
 }
 
-/// The record path with 1 and with 17 live epochs: fresh records with
-/// offsets and content, and a checkpoint every 200,000 records (untimed,
-/// except in `checkpoints-included`).
+/// The record path with 1 and with 17 live epochs of 200,000 records, and
+/// with 2 live epochs of 1,700,000 (a table of the size 17 make, in fewer
+/// epochs): fresh records with offsets and content, and a checkpoint
+/// after every epoch (untimed, except in `checkpoints-included`).
 fn record(c: &mut Criterion<ThreadCpu>) {
     if !wanted("record") {
         return;
@@ -739,12 +744,16 @@ fn record(c: &mut Criterion<ThreadCpu>) {
         .measurement_time(Duration::from_secs(5))
         .throughput(Throughput::Elements(BATCH as u64));
     let mut keep = Vec::new();
-    for retention in [0u32, 16] {
+    for (retention, epoch) in [
+        (0u32, RECORD_EPOCH),
+        (16, RECORD_EPOCH),
+        (1, 17 * RECORD_EPOCH / 2),
+    ] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut feed = Feed::new(dir.path(), retention, 8_000_000);
+        let mut feed = Feed::new(dir.path(), retention, epoch, 8_000_000);
         let lane = feed.lane;
         for _ in 0..=retention {
-            for _ in 0..RECORD_EPOCH {
+            for _ in 0..epoch {
                 let f = feed.fp_at(feed.at);
                 feed.g
                     .record(lane, Some(feed.next), Some(f))
@@ -755,12 +764,17 @@ fn record(c: &mut Criterion<ThreadCpu>) {
             feed.checkpoint();
         }
         let live = feed.g.stats().live_epochs;
-        group.bench_function(format!("{live}-live-epochs"), |b| {
+        let name = if epoch == RECORD_EPOCH {
+            format!("{live}-live-epochs")
+        } else {
+            format!("{live}-live-epochs-of-{epoch}")
+        };
+        group.bench_function(&name, |b| {
             b.iter_custom(|iters| (0..iters).map(|_| feed.one_by_one(false)).sum());
         });
         let mut verdicts = Vec::with_capacity(BATCH);
         let mut probes: Vec<Probe> = Vec::with_capacity(BATCH);
-        group.bench_function(format!("{live}-live-epochs/batched"), |b| {
+        group.bench_function(format!("{name}/batched"), |b| {
             b.iter_custom(|iters| {
                 (0..iters)
                     .map(|_| feed.batched(&mut probes, &mut verdicts))
@@ -768,14 +782,14 @@ fn record(c: &mut Criterion<ThreadCpu>) {
             });
         });
         feed.per_live.clear();
-        group.bench_function(format!("{live}-live-epochs/checkpoints-included"), |b| {
+        group.bench_function(format!("{name}/checkpoints-included"), |b| {
             b.iter_custom(|iters| (0..iters).map(|_| feed.one_by_one(true)).sum());
         });
         let per_live = std::mem::take(&mut feed.per_live);
         let checkpoints = per_live.len();
         if let Some(Spread { lo, median, hi, .. }) = spread(per_live) {
             eprintln!(
-                "record: {live} live epochs: index memory {lo:.2} to {hi:.2} B per live fingerprint, median {median:.2}, over {checkpoints} checkpoints",
+                "record: {name}: index memory {lo:.2} to {hi:.2} B per live fingerprint, median {median:.2}, over {checkpoints} checkpoints",
             );
         }
         assert_eq!(feed.g.stats().live_epochs, live);
