@@ -195,6 +195,9 @@ pub struct LaneIndex {
     /// Entries of `hashes` below `floor` (an upper bound: some may have
     /// been replaced in place).
     below_floor: u64,
+    /// Whether this checkpoint's drop purged the table, keeping room for
+    /// the next epoch: the close then leaves it as it is.
+    room_kept: bool,
     /// The open epoch: tags are decoded relative to it.
     open: u64,
     /// The oldest live epoch.
@@ -677,12 +680,18 @@ impl LaneIndex {
     /// moved onto huge pages, one copy of it, at most once a checkpoint.
     pub fn close(&mut self, next: u64) {
         self.place_deferred();
+        let room_kept = std::mem::take(&mut self.room_kept);
         // A lane that records no more gives the buffer back.
         self.deferred = Vec::new();
         if let Some(last) = self.epochs.back_mut()
             && last.epoch == self.open
         {
-            if last.hashes * 4 >= self.hashes.len() as u64 {
+            // Not when the drop just purged it: the purge laid it out with
+            // room for the next epoch, which a pack would take away, and
+            // the epoch's inserts would then grow it again from packed, a
+            // pass over the table at each growth (BENCHMARKS.md, "A
+            // rolling window of large epochs").
+            if last.hashes * 4 >= self.hashes.len() as u64 && !room_kept {
                 self.hashes.pack();
             }
             last.offsets.optimize();
@@ -744,7 +753,7 @@ impl LaneIndex {
         self.refresh_ranges();
         self.oldest = self.oldest.max(oldest_live);
         self.floor = self.floor.max(self.oldest);
-        self.maybe_purge(newest);
+        self.room_kept = self.maybe_purge(newest);
     }
 
     /// Marks the epochs below `floor` as kept on disk: their hashes leave
@@ -765,7 +774,8 @@ impl LaneIndex {
         self.purge(self.epochs.back().map_or(0, |e| e.hashes));
     }
 
-    fn maybe_purge(&mut self, newest: u64) {
+    /// Purges the table if it is due: whether it did.
+    fn maybe_purge(&mut self, newest: u64) -> bool {
         let stale = self.below_floor * PURGE_SHARE > self.hashes.len() as u64;
         // Tags repeat every TAG_SPAN epochs: entries must leave before
         // they could be read as a newer epoch.
@@ -773,6 +783,7 @@ impl LaneIndex {
         if stale || aging {
             self.purge(newest);
         }
+        stale || aging
     }
 
     /// Drops the entries below the floor. The table is laid out with room

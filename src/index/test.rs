@@ -208,6 +208,39 @@ fn a_table_that_grew_during_an_epoch_is_settled_when_it_closes() {
 }
 
 #[test]
+fn a_window_of_two_large_epochs_rolls_without_growing() {
+    const EPOCH: u64 = 50_000;
+    let mut lane = LaneIndex::new(0, 0, 0);
+    for e in 0..6u64 {
+        let laid_out = lane.hashes.slot_count();
+        for i in e * EPOCH..(e + 1) * EPOCH {
+            lane.insert(e, None, Some(hash(i)));
+        }
+        // Once rolling, the purge keeps room for the next epoch and the
+        // close leaves it: the epoch's inserts do not grow the table.
+        assert!(
+            e < 3 || lane.hashes.slot_count() == laid_out,
+            "epoch {e} grew the table from {laid_out} slots to {}",
+            lane.hashes.slot_count()
+        );
+        // A retention of two live epochs: each checkpoint from the second
+        // on drops the epoch before the one it closes, half the table,
+        // and purges it.
+        lane.drop_before(e.saturating_sub(1));
+        lane.close(e + 1);
+    }
+    for i in 0..4 * EPOCH {
+        assert_eq!(found(&lane, None, Some(hash(i))), None, "dropped {i}");
+    }
+    for i in 4 * EPOCH..6 * EPOCH {
+        assert_eq!(
+            found(&lane, None, Some(hash(i))),
+            Some((Reason::SameContent, i / EPOCH))
+        );
+    }
+}
+
+#[test]
 fn a_purge_that_empties_the_table_keeps_room_for_the_next_epoch() {
     let mut lane = LaneIndex::new(0, 0, 0);
     for i in 0..50_000u64 {
