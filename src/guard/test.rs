@@ -986,6 +986,18 @@ fn sealed_epochs_on_disk_answer_like_memory_across_reopens() -> Result<()> {
     Ok(())
 }
 
+/// Records `epochs` epochs of `per` fresh records each, record `i` at
+/// offset `i` with content `hash(i)`, each epoch closed by a checkpoint.
+fn fresh_epochs(g: &mut Guard, lane: LaneId, epochs: u64, per: u64) -> Result<()> {
+    for e in 0..epochs {
+        for i in e * per..(e + 1) * per {
+            assert!(g.record(lane, Some(i), Some(hash(i)))?.is_fresh());
+        }
+        g.checkpoint(&[(lane, (e + 1) * per)], Vec::new())?;
+    }
+    Ok(())
+}
+
 /// A guard keeping 5 closed epochs, all of them on disk.
 fn budget_0(path: &std::path::Path) -> Result<Guard> {
     Guard::builder(path)
@@ -1000,12 +1012,7 @@ fn a_disk_index_of_an_earlier_layout_is_rebuilt_from_the_chunks() -> Result<()> 
     let open = || budget_0(dir.path());
     let mut g = open()?;
     let lane = g.lane("t", 0);
-    for e in 0..3u64 {
-        for i in e * 1_000..(e + 1) * 1_000 {
-            assert!(g.record(lane, Some(i), Some(hash(i)))?.is_fresh());
-        }
-        g.checkpoint(&[(lane, (e + 1) * 1_000)], Vec::new())?;
-    }
+    fresh_epochs(&mut g, lane, 3, 1_000)?;
     assert_eq!(g.stats().disk_fingerprints, 3_000);
     drop(g);
     // As an earlier build left it: its `sealed` keyspace is dropped at the
@@ -1034,12 +1041,7 @@ fn a_disk_index_rebuilt_from_chunks_keeps_a_hash_in_its_newest_epoch() -> Result
     let open = || budget_0(dir.path());
     let mut g = open()?;
     let lane = g.lane("t", 0);
-    for e in 0..2u64 {
-        for i in e * 100..(e + 1) * 100 {
-            assert!(g.record(lane, Some(i), Some(hash(i)))?.is_fresh());
-        }
-        g.checkpoint(&[(lane, (e + 1) * 100)], Vec::new())?;
-    }
+    fresh_epochs(&mut g, lane, 2, 100)?;
     drop(g);
     // Hash 7 of epoch 0 in epoch 1 too, in a chunk of its own; then a disk
     // index to rebuild from the chunks at the next open.

@@ -674,8 +674,10 @@ impl LaneIndex {
     /// Closes the open epoch: its bitmaps join the sealed unions, packed,
     /// and `next` opens. When the closed epoch holds a quarter of the table
     /// or more, the table is laid out fuller, in one pass that costs at
-    /// most four times what the epoch's inserts did; smaller epochs leave
-    /// it as it is, so a checkpoint never costs a pass over many epochs.
+    /// most four times what the epoch's inserts did, unless this
+    /// checkpoint's purge has just laid it out with room for the next
+    /// epoch; smaller epochs leave it as it is, so a checkpoint never
+    /// costs a pass over many epochs.
     /// A table laid out again during the epoch (grown or purged) is
     /// moved onto huge pages, one copy of it, at most once a checkpoint.
     pub fn close(&mut self, next: u64) {
