@@ -622,10 +622,18 @@ struct Feed {
 
 const RECORD_EPOCH: u64 = 200_000;
 
+/// The hash of a content fingerprint.
+fn hash_of(f: Fingerprint) -> u128 {
+    match f {
+        Fingerprint::Hash(h) => h,
+        Fingerprint::Id(_) => unreachable!("a content fingerprint is a hash"),
+    }
+}
+
 impl Feed {
-    /// A guard keeping `retention` sealed epochs, fed from a pool of
-    /// `pool` precomputed fingerprints (`fp(0..pool)`, so that xxh3 is not
-    /// timed).
+    /// A guard keeping `retention` sealed epochs of `epoch` records, fed
+    /// from a pool of `pool` precomputed fingerprints (`fp(0..pool)`, so
+    /// that xxh3 is not timed).
     fn new(dir: &std::path::Path, retention: u32, epoch: u64, pool: u64) -> Self {
         let mut g = Guard::builder(dir)
             .retention_epochs(retention)
@@ -954,11 +962,3 @@ criterion_group! {
     targets = check, epochs, record, disk, memory, machine
 }
 criterion_main!(benches);
-
-/// The hash of a content fingerprint.
-fn hash_of(f: Fingerprint) -> u128 {
-    match f {
-        Fingerprint::Hash(h) => h,
-        Fingerprint::Id(_) => unreachable!("a content fingerprint is a hash"),
-    }
-}

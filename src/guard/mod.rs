@@ -25,14 +25,6 @@ use crate::store::{
 /// decides, before loading, which sealed epochs fit the memory budget: a
 /// table laid out at recovery, 12-byte slots 85% full and their filter.
 const EST_BYTES_PER_HASH: u64 = 15;
-/// The error for a chunk of a lane the lane table does not name.
-fn unknown_lane(path: &std::path::Path, lane: u32) -> Error {
-    Error::Corrupt {
-        path: path.to_owned(),
-        what: format!("a chunk names lane {lane}, which is not in the lane table"),
-    }
-}
-
 /// Largest memory budget accepted: 1 PiB.
 const MAX_MEMORY_BYTES: u64 = 1 << 50;
 /// How far ahead a batch of records fetches: filter words this many records
@@ -53,6 +45,14 @@ mod test;
 mod view;
 
 pub use view::{EpochContent, FolderView};
+
+/// The error for a chunk of a lane the lane table does not name.
+fn unknown_lane(path: &std::path::Path, lane: u32) -> Error {
+    Error::Corrupt {
+        path: path.to_owned(),
+        what: format!("a chunk names lane {lane}, which is not in the lane table"),
+    }
+}
 
 /// One record of a batch for [`Guard::check_many`] and
 /// [`Guard::record_many`]: what [`Guard::check`] takes, in one value.
@@ -1390,17 +1390,17 @@ impl Guard {
     /// read from the epochs' chunks, as a recovery reads them.
     fn spill_to(&mut self, floor: u64) -> Result<()> {
         let from = self.floor;
-        let any = self
+        let counts: Vec<u64> = self
             .lanes
             .iter()
-            .any(|l| (from..floor).any(|e| l.index.epoch_hashes(e) > 0));
-        let moving = if any {
+            .map(|l| (from..floor).map(|e| l.index.epoch_hashes(e)).sum())
+            .collect();
+        let moving = if counts.iter().any(|&n| n > 0) {
             self.hashes_in(from, floor)?
         } else {
             vec![Vec::new(); self.lanes.len()]
         };
-        for (id, l) in self.lanes.iter_mut().enumerate() {
-            let count: u64 = (from..floor).map(|e| l.index.epoch_hashes(e)).sum();
+        for ((id, l), &count) in self.lanes.iter_mut().enumerate().zip(&counts) {
             if count == 0 && l.index.disk().filter.is_some() {
                 continue;
             }

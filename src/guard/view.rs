@@ -90,15 +90,17 @@ impl Guard {
     /// Unlike [`Guard::builder`]`(..).open()`, it loads no index, deletes
     /// no leftover chunk and builds no on-disk index of sealed hashes. It
     /// takes the folder's lock while it reads, so it fails with
-    /// [`Error::InUse`](crate::Error::InUse) while a guard has the folder open. fjall may tidy
-    /// its own files under `db/` as it opens (its journal, its version
-    /// files); what the guard keeps there is read, never written.
+    /// [`Error::InUse`](crate::Error::InUse) while a guard has the folder
+    /// open. fjall may tidy its own files under `db/` as it opens (its
+    /// journal, its version files); what the guard keeps there is read,
+    /// never written.
     ///
     /// # Errors
     ///
-    /// [`Error::StateFolder`](crate::Error::StateFolder) for a path that is not a state folder, and the
-    /// errors of [`GuardBuilder::open`](super::GuardBuilder::open) for one
-    /// that is in use, foreign, of another version or damaged.
+    /// [`Error::StateFolder`](crate::Error::StateFolder) for a path that is
+    /// not a state folder, and the errors of
+    /// [`GuardBuilder::open`](super::GuardBuilder::open) for one that is in
+    /// use, foreign, of another version or damaged.
     pub fn inspect(path: impl AsRef<Path>) -> Result<FolderView> {
         let path = path.as_ref();
         let Some((store, loaded)) = Store::open_read_only(path)? else {
