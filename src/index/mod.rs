@@ -223,10 +223,10 @@ pub struct LaneIndex {
     /// the last change.
     sealed_bitmap_bytes: usize,
     /// Hashes of the open epoch recorded one call at a time and not yet in
-    /// `hashes`, made by [`tagged`]: they go in `DEFERRED` at a time, their
-    /// slots fetched together, so that their cache misses overlap. Every
-    /// lookup reads them too; anything else that reads or reshapes the
-    /// table places them first.
+    /// `hashes`, made by [`tagged`]: they go in `DEFERRED` at a time, each
+    /// one's slots fetched as it joins, so that their cache misses overlap
+    /// with the calls in between. Every lookup reads them too; anything
+    /// else that reads or reshapes the table places them first.
     deferred: Vec<u128>,
 }
 
@@ -453,13 +453,13 @@ impl LaneIndex {
         self.hashes.slot_count()
     }
 
-    /// Second stage of a batched record: fetches the slot the insert of
-    /// `fp` will write, whatever the filter says, into the first-level
-    /// cache: the insert writes it.
+    /// Second stage of a batched record: fetches the slots the insert of
+    /// `fp` will read and write, whatever the filter says
+    /// ([`FpTable::prefetch_insert`]).
     #[inline]
     pub fn prefetch_insert(&self, fp: Option<Fingerprint>) {
         if let Some(Fingerprint::Hash(h)) = fp {
-            self.hashes.prefetch_slots::<false>(h, 2);
+            self.hashes.prefetch_insert::<true>(h);
         }
     }
 
@@ -485,15 +485,17 @@ impl LaneIndex {
 
     /// [`LaneIndex::insert`] into the open epoch, `epoch`, for a caller
     /// that records one record at a time: a hash joins the table with the
-    /// lane's next `DEFERRED` - 1 such hashes, their slots fetched
-    /// together, so that their cache misses overlap (BENCHMARKS.md, "One
-    /// call a record"). Lookups find it at once.
+    /// lane's next `DEFERRED` - 1 such hashes. Its slots are fetched now
+    /// and read when it is placed, so that the cache miss overlaps with
+    /// the calls in between (BENCHMARKS.md, "One call a record" and
+    /// "Inserts that fetch the whole cluster"). Lookups find it at once.
     pub fn insert_open(&mut self, epoch: u64, offset: Option<u64>, fp: Option<Fingerprint>) {
         debug_assert_eq!(epoch, self.open, "records go to the open epoch");
         let open = self.open;
         let id = match fp {
             Some(Fingerprint::Hash(h)) => {
                 self.deferred.push(tagged(h, tag_of(open)));
+                self.hashes.prefetch_insert::<false>(h);
                 self.epoch_mut(open).hashes += 1;
                 self.live_fps += 1;
                 if self.deferred.len() >= DEFERRED {
@@ -507,16 +509,13 @@ impl LaneIndex {
         self.insert_bitmaps(open, offset, id, false);
     }
 
-    /// Places the deferred hashes in the table, their first two slot lines
-    /// fetched for all of them before the first is placed.
+    /// Places the deferred hashes in the table. Their slots were fetched
+    /// as each joined the list ([`LaneIndex::insert_open`]).
     fn place_deferred(&mut self) {
         if self.deferred.is_empty() {
             return;
         }
         let mut deferred = std::mem::take(&mut self.deferred);
-        for &d in &deferred {
-            self.hashes.prefetch_slots::<false>(d, 2);
-        }
         for &d in &deferred {
             if !self.place(d) {
                 // The caller looked each one up first, so this is not

@@ -69,6 +69,17 @@ const NEAR_LINES: usize = 3;
 /// the few hashes far from home a wait.
 const FAR_LINES: usize = 5;
 
+/// Slot lines an insert fetches ahead from its home into the first-level
+/// cache, and lines past them into the second-level cache. An insert reads
+/// from its home to the end of the cluster, which in a rolling window's
+/// table (live entries and those below the floor, up to 85%) often lies
+/// past the second line: with two lines alone, the profile of 17 live
+/// epochs of 200,000 put most of the insert's time on the loads that look
+/// for that end. Only speed depends on them (BENCHMARKS.md, "Inserts that
+/// fetch the whole cluster").
+const INSERT_NEAR_LINES: usize = 2;
+const INSERT_FAR_LINES: usize = 3;
+
 /// Bytes of a slot.
 const SLOT: usize = 12;
 
@@ -733,7 +744,7 @@ impl FpTable {
         if a.pass {
             (a.home, a.qhi, a.q8) = self.scale.query(a.hash);
             let lines = if FAR { FAR_LINES } else { NEAR_LINES };
-            self.prefetch_from::<FAR>(a.home, lines);
+            self.prefetch_lines::<FAR>(a.home, 0, lines);
         }
     }
 
@@ -753,20 +764,33 @@ impl FpTable {
         self.scan(a.home, a.qhi, a.q8)
     }
 
-    /// Fetches `lines` cache lines of slots from the home of `hash` on. A
-    /// hash sits a few slots past its home in a full table, often across
-    /// a line boundary (5.3 slots a line). `FAR` as in [`prefetch_to`].
+    /// Fetches the slot lines an insert of `hash` will read and write:
+    /// `INSERT_NEAR_LINES` from its home on into the first-level cache
+    /// and, with `FAR`, `INSERT_FAR_LINES` more into the second-level
+    /// cache. A batch of records fetches them all. One call a record
+    /// fetches the near lines only: with the far ones too, a table that
+    /// fits in the caches (one live epoch of 200,000) took longer.
     #[inline(always)]
-    pub fn prefetch_slots<const FAR: bool>(&self, hash: u128, lines: usize) {
-        self.prefetch_from::<FAR>(self.scale.home((hash >> 64) as u64) as usize, lines);
+    pub fn prefetch_insert<const FAR: bool>(&self, hash: u128) {
+        let home = self.scale.home((hash >> 64) as u64) as usize;
+        self.prefetch_lines::<false>(home, 0, INSERT_NEAR_LINES);
+        if FAR {
+            self.prefetch_lines::<true>(
+                home,
+                INSERT_NEAR_LINES,
+                INSERT_NEAR_LINES + INSERT_FAR_LINES,
+            );
+        }
     }
 
+    /// Fetches the cache lines `from..to` counted from the home's slot.
+    /// `FAR` as in [`prefetch_to`].
     #[inline(always)]
-    fn prefetch_from<const FAR: bool>(&self, home: usize, lines: usize) {
+    fn prefetch_lines<const FAR: bool>(&self, home: usize, from: usize, to: usize) {
         if let Some(w) = self.words().get(home..) {
             let bytes = w.len() * SLOT;
             let at = w.as_ptr().cast::<u8>();
-            for k in 0..lines {
+            for k in from..to {
                 if 64 * k < bytes {
                     prefetch_to::<FAR, _>(at.wrapping_add(64 * k));
                 }
