@@ -70,14 +70,16 @@ const NEAR_LINES: usize = 3;
 const FAR_LINES: usize = 5;
 
 /// Slot lines an insert fetches ahead from its home into the first-level
-/// cache, and lines past them into the second-level cache. An insert reads
-/// from its home to the end of the cluster, which in a rolling window's
-/// table (live entries and those below the floor, up to 85%) often lies
-/// past the second line: with two lines alone, the profile of 17 live
-/// epochs of 200,000 put most of the insert's time on the loads that look
-/// for that end. Only speed depends on them (BENCHMARKS.md, "Inserts that
-/// fetch the whole cluster").
+/// cache. An insert reads from its home to the end of the cluster, which
+/// in a rolling window's table (live entries and those below the floor,
+/// up to 85%) often lies past the second line: with two lines alone, a
+/// profile of 17 live epochs of 200,000 put 56% of the insert's samples
+/// on the loads that look for that end. Only speed depends on this and
+/// `INSERT_FAR_LINES` (BENCHMARKS.md, "Inserts that fetch the whole
+/// cluster").
 const INSERT_NEAR_LINES: usize = 2;
+/// Slot lines past `INSERT_NEAR_LINES` that a batched insert fetches into
+/// the second-level cache.
 const INSERT_FAR_LINES: usize = 3;
 
 /// Bytes of a slot.
@@ -766,15 +768,15 @@ impl FpTable {
 
     /// Fetches the slot lines an insert of `hash` will read and write:
     /// `INSERT_NEAR_LINES` from its home on into the first-level cache
-    /// and, with `FAR`, `INSERT_FAR_LINES` more into the second-level
+    /// and, with `ALL`, `INSERT_FAR_LINES` more into the second-level
     /// cache. A batch of records fetches them all. One call a record
     /// fetches the near lines only: with the far ones too, a table that
     /// fits in the caches (one live epoch of 200,000) took longer.
     #[inline(always)]
-    pub fn prefetch_insert<const FAR: bool>(&self, hash: u128) {
+    pub fn prefetch_insert<const ALL: bool>(&self, hash: u128) {
         let home = self.scale.home((hash >> 64) as u64) as usize;
         self.prefetch_lines::<false>(home, 0, INSERT_NEAR_LINES);
-        if FAR {
+        if ALL {
             self.prefetch_lines::<true>(
                 home,
                 INSERT_NEAR_LINES,
