@@ -306,7 +306,7 @@ impl Changelog {
     /// A store failure, or records not acked (the checkpoint must then not
     /// be taken).
     pub fn before_checkpoint(&self, s: &mut Shared) -> Result<()> {
-        let Some(guard) = s.guard.as_mut() else {
+        let Some(guard) = s.engine()? else {
             return Ok(());
         };
         let open = guard.ship_open()?;
@@ -329,7 +329,7 @@ impl Changelog {
     /// # Errors
     /// Records that cannot be handed to the producer.
     pub fn after_checkpoint(&self, s: &mut Shared) -> Result<()> {
-        let Some(guard) = s.guard.as_mut() else {
+        let Some(guard) = s.engine()? else {
             return Ok(());
         };
         let after = guard.take_after_checkpoint();
@@ -456,7 +456,7 @@ impl Changelog {
                 )
             })?;
             let mut shared = super::shared::lock(s);
-            let Some(guard) = shared.guard.as_mut() else {
+            let Some(guard) = shared.engine()? else {
                 return Ok(restored);
             };
             let n = guard.import(lane, &chunk)?;

@@ -148,7 +148,7 @@ impl GuardedConsumerBuilder {
         if changelog.is_some() {
             // The changelog's ends go into the manifest and commit metadata.
             shared.sink = Some(super::shared::resumed_sink(
-                shared.guard.as_ref(),
+                shared.guard_ref(),
                 "",
                 &token,
                 Duration::ZERO,
@@ -448,7 +448,8 @@ impl GuardedConsumer {
                 s.complete(topic, partition, r.message.offset())?;
                 s.counters.acked += 1;
             }
-            match s.guard.as_mut() {
+            // The batch is recorded here, and written as durability says.
+            match s.engine()? {
                 Some(g) => g.flush(),
                 None => Ok(()),
             }

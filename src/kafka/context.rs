@@ -402,7 +402,8 @@ impl Core {
         let guard = {
             let mut s = self.lock();
             s.aborted = true;
-            s.guard.take()
+            // As a crash: inputs handled and not recorded are lost with it.
+            s.abort_guard()
         };
         drop(guard);
     }
@@ -1124,8 +1125,7 @@ impl Core {
         .map_err(kafka("reading committed offsets"))?;
         let manifest_sink: Option<SinkPositions> = self
             .lock()
-            .guard
-            .as_ref()
+            .guard_ref()
             .and_then(|g| g.manifest())
             .and_then(|m| serde_json::from_slice(&m.sink).ok());
         let mut arrival = Arrival::default();
@@ -1214,8 +1214,9 @@ impl Core {
         let (lane, local) = {
             let mut s = self.lock();
             let lane = s.lane(&topic, p);
+            // As of the last checkpoint: what waits to be recorded is not in it.
             let local = lane
-                .and_then(|l| s.guard.as_ref().and_then(|g| g.position(l)))
+                .and_then(|l| s.guard_ref().and_then(|g| g.position(l)))
                 .map(|o| o as i64);
             (lane, local)
         };

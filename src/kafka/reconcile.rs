@@ -291,7 +291,7 @@ fn record(core: &Core, src: &SourcePosition, fp: Option<Fingerprint>) -> Result<
     let Some(lane) = s.lane(&src.topic, src.partition) else {
         return Ok(false);
     };
-    match s.guard.as_mut() {
+    match s.engine()? {
         Some(g) => Ok(g.record(lane, Some(src.offset as u64), fp)?.is_fresh()),
         None => Ok(false),
     }

@@ -13,6 +13,11 @@ use crate::fingerprint::Fingerprint;
 use crate::guard::{Guard, LaneId, Probe};
 use crate::{Reason, Verdict};
 
+/// How many handled inputs [`Shared::complete`] lets wait before it
+/// records them: enough for the batch to overlap its memory misses, few
+/// enough that a delivery callback that records them stays short.
+const RECORD_BATCH: usize = 512;
+
 /// A topic partition.
 pub(crate) type Partition = (String, i32);
 
@@ -220,7 +225,16 @@ pub(crate) struct Offered<'a> {
 }
 
 pub(crate) struct Shared {
-    pub guard: Option<Guard>,
+    /// The engine. Reached through [`Shared::engine`], which records the
+    /// [`Shared::handled`] inputs first, or [`Shared::guard_ref`] for what
+    /// only an open or a checkpoint changes.
+    guard: Option<Guard>,
+    /// Inputs handled (their last output acked, or acked by the
+    /// application) and not yet recorded: recorded together, with one
+    /// [`Guard::record_many`], before the engine is next asked or changed,
+    /// or once [`RECORD_BATCH`] wait. Until then the engine answers no
+    /// check, so a resend behind them is still caught.
+    handled: Vec<Probe>,
     pub tracks: FxHashMap<String, FxHashMap<i32, Track>>,
     pub sink: Option<SinkPositions>,
     failure: Failure,
@@ -300,6 +314,7 @@ impl Shared {
             assigned: BTreeSet::new(),
             watermarks: BTreeMap::new(),
             closed_guard: None,
+            handled: Vec::new(),
             probes: Vec::new(),
             wake: Default::default(),
             verdicts: Vec::new(),
@@ -351,8 +366,12 @@ impl Shared {
     }
 
     /// One output of the input at `offset` was acked (or, for a guarded
-    /// consumer, the application acked it). Records the input as handled
-    /// when it was the last.
+    /// consumer, the application acked it). When it was the last, the input
+    /// is handled: it leaves the in-flight records and joins those to
+    /// record ([`Shared::handled`]).
+    ///
+    /// # Errors
+    /// A store failure while it records a full batch.
     pub fn complete(&mut self, topic: &str, partition: i32, offset: i64) -> Result<()> {
         let Some(track) = self
             .tracks
@@ -374,10 +393,50 @@ impl Shared {
             track.inflight_fps.remove(&f);
         }
         let lane = track.lane;
-        if let (Some(guard), Some(lane)) = (self.guard.as_mut(), lane) {
-            guard.record(lane, Some(offset as u64), fp)?;
+        if let (Some(_), Some(lane)) = (self.guard.as_ref(), lane) {
+            self.handled.push(Probe::new(lane, Some(offset as u64), fp));
+            if self.handled.len() >= RECORD_BATCH {
+                self.record_handled()?;
+            }
         }
         Ok(())
+    }
+
+    /// Records the handled inputs waiting in [`Shared::handled`], in one
+    /// batch. After an error the ones not recorded stay, so that no later
+    /// checkpoint takes their positions without their identities.
+    fn record_handled(&mut self) -> Result<()> {
+        if self.handled.is_empty() {
+            return Ok(());
+        }
+        let Some(guard) = self.guard.as_mut() else {
+            self.handled.clear();
+            return Ok(());
+        };
+        let mut verdicts = std::mem::take(&mut self.verdicts);
+        let r = guard.record_many(&self.handled, &mut verdicts);
+        match r {
+            Ok(()) => self.handled.clear(),
+            Err(_) => drop(self.handled.drain(..verdicts.len())),
+        }
+        self.verdicts = verdicts;
+        r
+    }
+
+    /// The engine, with every handled input recorded in it.
+    ///
+    /// # Errors
+    /// A store failure while it records them.
+    pub fn engine(&mut self) -> Result<Option<&mut Guard>> {
+        self.record_handled()?;
+        Ok(self.guard.as_mut())
+    }
+
+    /// The engine as it is, for what only its open or a checkpoint changes
+    /// (its manifest, its lanes' positions); inputs handled since the last check or checkpoint
+    /// may not be recorded in it yet.
+    pub fn guard_ref(&self) -> Option<&Guard> {
+        self.guard.as_ref()
     }
 
     fn is_held(&self, topic: &str, partition: i32) -> bool {
@@ -397,6 +456,7 @@ impl Shared {
     /// handled or in-flight record (counted). The engine is asked once for
     /// the whole batch.
     pub fn admit(&mut self, records: &[Offered<'_>], admitted: &mut Vec<bool>) -> Result<()> {
+        self.record_handled()?;
         self.probes.clear();
         let mut asked = Vec::with_capacity(records.len());
         for r in records {
@@ -539,6 +599,7 @@ impl Shared {
         only: Option<&[Partition]>,
         clean: bool,
     ) -> Result<(Vec<Position>, String)> {
+        self.record_handled()?;
         let positions = self.positions();
         let meta = self.commit_metadata(clean)?;
         if let Some(guard) = self.guard.as_mut() {
@@ -572,13 +633,25 @@ impl Shared {
             .or_else(|| self.closed_guard.clone())
     }
 
-    /// Takes the guard out to be closed, keeping its last counters.
+    /// Takes the guard out to be closed, with every handled input recorded
+    /// (a failure to is logged: the guard is then poisoned and writes no
+    /// more), keeping its last counters.
     pub fn take_guard(&mut self) -> Option<Guard> {
+        if let Err(e) = self.record_handled() {
+            tracing::warn!(error = %e, "recording the last handled inputs before the state folder closed");
+        }
         let guard = self.guard.take();
         if let Some(g) = &guard {
             self.closed_guard = Some(g.stats());
         }
         guard
+    }
+
+    /// Takes the guard out as a crash would: inputs handled and not yet
+    /// recorded are dropped with it.
+    pub fn abort_guard(&mut self) -> Option<Guard> {
+        self.handled.clear();
+        self.guard.take()
     }
 
     /// Sets the gauges of the state's size from the engine's snapshot (as
@@ -748,6 +821,67 @@ mod test {
         assert_eq!(&delays[..7], [100, 200, 400, 800, 1600, 2000, 2000]);
         assert!(delays.iter().all(|&d| (100..=2000).contains(&d)));
         assert_eq!((r.attempts, r.error.as_str()), (41, "again 39"));
+    }
+
+    /// Offers records of partition `in`[0], one batch, from `offset` on
+    /// with these identities, and says which were admitted.
+    fn offer_many(s: &mut Shared, offset: i64, fps: &[u64]) -> Result<Vec<bool>> {
+        let mut admitted = Vec::new();
+        let records: Vec<Offered<'_>> = (offset..)
+            .zip(fps)
+            .map(|(offset, fp)| Offered {
+                topic: "in",
+                partition: 0,
+                offset,
+                fp: Some(Fingerprint::id(*fp)),
+            })
+            .collect();
+        s.admit(&records, &mut admitted)?;
+        Ok(admitted)
+    }
+
+    fn offer(s: &mut Shared, offset: i64, fp: u64) -> Result<bool> {
+        Ok(offer_many(s, offset, &[fp])? == [true])
+    }
+
+    #[test]
+    fn handled_inputs_are_recorded_in_batches_and_still_catch_a_resend() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let guard = Guard::builder(dir.path()).open()?;
+        let mut s = Shared::new(Some(guard), Default::default());
+        let recorded = |s: &Shared| s.guard_stats().map_or(0, |g| g.recorded);
+        let n = RECORD_BATCH as i64 + 3;
+        let fps: Vec<u64> = (0..n as u64).collect();
+        assert!(offer_many(&mut s, 0, &fps)?.iter().all(|a| *a));
+        for o in 0..n {
+            s.complete("in", 0, o)?;
+        }
+        // One full batch went in as the last ack filled it; three wait.
+        assert_eq!(recorded(&s), RECORD_BATCH as u64);
+        assert_eq!(s.handled.len(), 3);
+        // A resend of a waiting one, at a new offset, is caught: the next
+        // admission records the three before it asks.
+        assert!(!offer(&mut s, n, (n - 1) as u64)?, "a resend is caught");
+        assert_eq!(recorded(&s), n as u64);
+        assert!(s.handled.is_empty());
+        // A checkpoint takes the waiting ones with it: none is left out of
+        // the state its positions are committed with.
+        assert!(offer(&mut s, n + 1, 1_000_000)?);
+        s.complete("in", 0, n + 1)?;
+        assert_eq!(s.handled.len(), 1);
+        let (commit, _) = s.checkpoint(None, false)?;
+        assert_eq!(commit, vec![("in".to_owned(), 0, n + 2)]);
+        assert_eq!(recorded(&s), n as u64 + 1);
+        // As does the engine handed out, and the close.
+        assert!(offer(&mut s, n + 2, 1_000_001)?);
+        s.complete("in", 0, n + 2)?;
+        let engine = s.engine()?.map(|g| g.stats().recorded);
+        assert_eq!(engine, Some(n as u64 + 2));
+        assert!(offer(&mut s, n + 3, 1_000_002)?);
+        s.complete("in", 0, n + 3)?;
+        let closed = s.take_guard().map(|g| g.stats().recorded);
+        assert_eq!(closed, Some(n as u64 + 3));
+        Ok(())
     }
 
     #[test]

@@ -53,7 +53,10 @@ pub struct PipelineStats {
     pub outputs: u64,
     /// Checkpoints completed.
     pub checkpoints: u64,
-    /// The engine's snapshot (none in the baselines).
+    /// The engine's snapshot (none in the baselines). Inputs whose outputs
+    /// were acked are recorded in batches, before the next poll's records
+    /// are checked and at each checkpoint, so while the pipeline runs its
+    /// counters may leave out the last few hundred.
     pub guard: Option<Stats>,
     /// Consumer lag of each assigned partition, (topic, partition) to the
     /// high watermark less the position, from librdkafka's statistics:
@@ -237,7 +240,7 @@ impl GuardedPipelineBuilder {
         };
         let mut shared = Shared::new(guarded.then_some(guard), meters.clone());
         shared.sink = Some(crate::kafka::shared::resumed_sink(
-            shared.guard.as_ref(),
+            shared.guard_ref(),
             &output,
             &token,
             in_flight,
