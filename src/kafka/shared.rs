@@ -392,8 +392,9 @@ impl Shared {
         if let Some(f) = fp {
             track.inflight_fps.remove(&f);
         }
-        let lane = track.lane;
-        if let (Some(_), Some(lane)) = (self.guard.as_ref(), lane) {
+        if self.guard.is_some()
+            && let Some(lane) = track.lane
+        {
             self.handled.push(Probe::new(lane, Some(offset as u64), fp));
             if self.handled.len() >= RECORD_BATCH {
                 self.record_handled()?;
@@ -414,10 +415,13 @@ impl Shared {
             return Ok(());
         };
         let mut verdicts = std::mem::take(&mut self.verdicts);
+        // Cleared here too: a call refused before it starts leaves it as
+        // it was, and its length says how many were recorded.
+        verdicts.clear();
         let r = guard.record_many(&self.handled, &mut verdicts);
         match r {
             Ok(()) => self.handled.clear(),
-            Err(_) => drop(self.handled.drain(..verdicts.len())),
+            Err(_) => drop(self.handled.drain(..verdicts.len().min(self.handled.len()))),
         }
         self.verdicts = verdicts;
         r
@@ -433,8 +437,8 @@ impl Shared {
     }
 
     /// The engine as it is, for what only its open or a checkpoint changes
-    /// (its manifest, its lanes' positions); inputs handled since the last check or checkpoint
-    /// may not be recorded in it yet.
+    /// (its manifest, its lanes' positions): inputs handled since the last
+    /// check or checkpoint may not be recorded in it yet.
     pub fn guard_ref(&self) -> Option<&Guard> {
         self.guard.as_ref()
     }
