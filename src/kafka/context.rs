@@ -1214,7 +1214,8 @@ impl Core {
         let (lane, local) = {
             let mut s = self.lock();
             let lane = s.lane(&topic, p);
-            // As of the last checkpoint: what waits to be recorded is not in it.
+            // As of the last checkpoint: handled inputs waiting to be
+            // recorded do not move it.
             let local = lane
                 .and_then(|l| s.guard_ref().and_then(|g| g.position(l)))
                 .map(|o| o as i64);

@@ -421,7 +421,7 @@ impl Shared {
         let r = guard.record_many(&self.handled, &mut verdicts);
         match r {
             Ok(()) => self.handled.clear(),
-            Err(_) => drop(self.handled.drain(..verdicts.len().min(self.handled.len()))),
+            Err(_) => drop(self.handled.drain(..verdicts.len())),
         }
         self.verdicts = verdicts;
         r
