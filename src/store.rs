@@ -1081,17 +1081,32 @@ fn decode_manifest(v: &[u8]) -> std::result::Result<Manifest, String> {
 /// `REPLAYGUARD_FAIL_AT` equals `name`, the write fails as a disk would;
 /// with `REPLAYGUARD_FAIL_ARMED` set to a path, only once that path exists
 /// (so that a test can let a process start cleanly, then fail its disk).
+/// In unit tests, also when [`FAIL_HERE`] names it on the calling thread.
 fn fail_point(name: &str) -> Result<()> {
-    if cfg!(any(test, feature = "fault-injection"))
-        && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
-        && std::env::var_os("REPLAYGUARD_FAIL_ARMED")
-            .is_none_or(|armed| std::path::Path::new(&armed).exists())
+    #[cfg(test)]
+    let here = FAIL_HERE.with(|f| f.get() == Some(name));
+    #[cfg(not(test))]
+    let here = false;
+    if here
+        || cfg!(any(test, feature = "fault-injection"))
+            && std::env::var("REPLAYGUARD_FAIL_AT").is_ok_and(|v| v == name)
+            && std::env::var_os("REPLAYGUARD_FAIL_ARMED")
+                .is_none_or(|armed| std::path::Path::new(&armed).exists())
     {
         return Err(Error::Io(std::io::Error::other(format!(
             "injected failure at {name}"
         ))));
     }
     Ok(())
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A fail point armed for the calling thread alone: unit tests run side
+    /// by side in one process, so one of them cannot set the environment
+    /// without failing the others' writes.
+    pub(crate) static FAIL_HERE: std::cell::Cell<Option<&'static str>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// Milliseconds since the Unix epoch.

@@ -889,6 +889,64 @@ mod test {
     }
 
     #[test]
+    fn a_write_failure_while_recording_keeps_what_was_not_recorded() -> Result<()> {
+        use crate::store::FAIL_HERE;
+        let dir = tempfile::tempdir()?;
+        let guard = Guard::builder(dir.path())
+            .chunk_records(10)
+            .retention_epochs(1)
+            .open()?;
+        let mut s = Shared::new(Some(guard), Default::default());
+        // The state to come back to: five inputs, checkpointed.
+        assert!(offer_many(&mut s, 0, &[0, 1, 2, 3, 4])?.iter().all(|a| *a));
+        for o in 0..5 {
+            s.complete("in", 0, o)?;
+        }
+        assert_eq!(s.checkpoint(None, false)?.0, vec![("in".to_owned(), 0, 5)]);
+        // A full batch waits; the ack that fills it records it, and the
+        // tenth record fills a chunk whose write fails.
+        let n = RECORD_BATCH as i64;
+        let fps: Vec<u64> = (100..100 + n as u64).collect();
+        assert!(offer_many(&mut s, 5, &fps)?.iter().all(|a| *a));
+        for o in 5..4 + n {
+            s.complete("in", 0, o)?;
+        }
+        assert_eq!(s.handled.len(), RECORD_BATCH - 1);
+        FAIL_HERE.with(|f| f.set(Some("store-write")));
+        let failed = s.complete("in", 0, 4 + n);
+        FAIL_HERE.with(|f| f.set(None));
+        assert!(matches!(failed, Err(Error::Io(_))), "{failed:?}");
+        // The nine recorded before it left the list; the rest stay.
+        assert_eq!(s.handled.len(), RECORD_BATCH - 9);
+        assert_eq!(s.handled[0].offset, Some(14));
+        // The guard is poisoned: no checkpoint moves a position past what
+        // it holds, nothing is admitted, and the list is kept.
+        let checkpoint = s.checkpoint(None, false);
+        assert!(
+            matches!(checkpoint, Err(Error::Poisoned { .. })),
+            "{checkpoint:?}"
+        );
+        let admitted = offer(&mut s, 4 + n + 1, 1);
+        assert!(
+            matches!(admitted, Err(Error::Poisoned { .. })),
+            "{admitted:?}"
+        );
+        assert!(s.engine().is_err());
+        assert_eq!(s.handled.len(), RECORD_BATCH - 9);
+        // Opened again, the state is the checkpoint's: position 5, and
+        // what it held still known.
+        drop(s.abort_guard());
+        let mut g = Guard::builder(dir.path()).retention_epochs(1).open()?;
+        let lane = g.lane("in", 0);
+        assert_eq!(g.position(lane), Some(5));
+        let known = g.check(lane, Some(9_000), Some(Fingerprint::id(3)))?;
+        assert!(matches!(known, Verdict::Duplicate { .. }), "{known:?}");
+        let unrecorded = g.check(lane, Some(9_001), Some(Fingerprint::id(100)))?;
+        assert_eq!(unrecorded, Verdict::Fresh);
+        Ok(())
+    }
+
+    #[test]
     fn a_held_partition_is_neither_checkpointed_nor_committed_until_released() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let guard = Guard::builder(dir.path()).open()?;
