@@ -15,7 +15,14 @@
 //! Kafka and the in-process mock for latency),
 //! `REPLAYGUARD_BENCH_ONLY=throughput,latency,recovery,retention,concurrency` runs only
 //! the sections named, and `REPLAYGUARD_BENCH_REPS=N` repeats each
-//! measurement N times (default 3, quick 1).
+//! measurement N times (default 3, quick 1). The retention section's sizes
+//! can be changed too: `REPLAYGUARD_BENCH_RETENTION=0,1000` (the epochs
+//! kept), `REPLAYGUARD_BENCH_RETENTION_INTERVAL=0.01` (the pipeline's
+//! checkpoint interval, seconds), `REPLAYGUARD_BENCH_ENGINE_EPOCH=N` (the
+//! engine's records per epoch) and `REPLAYGUARD_BENCH_RECORDS=N` (inputs
+//! copied per pipeline run, in this section and the throughput one). A run
+//! with any of these, or with the rate or brokers changed, writes only
+//! under `target/bench/`.
 //!
 //! What it measures, each run repeated and reported as min/median/max:
 //!
@@ -116,6 +123,9 @@ struct Plan {
     concurrency_records: u64,
     concurrency_levels: Vec<usize>,
     sections: Vec<String>,
+    /// Set when the environment changed the plan beyond its repetitions:
+    /// such a run never replaces the published figures.
+    custom: bool,
 }
 
 impl Plan {
@@ -141,6 +151,7 @@ impl Plan {
                 concurrency_records: 2_000,
                 concurrency_levels: vec![1, 8, 64],
                 sections,
+                custom: false,
             }
         } else {
             Plan {
@@ -167,6 +178,7 @@ impl Plan {
                 concurrency_records: 20_000,
                 concurrency_levels: vec![1, 8, 64],
                 sections,
+                custom: false,
             }
         }
     }
@@ -391,16 +403,14 @@ fn main() -> ExitCode {
             .init();
     }
     let mut plan = Plan::new(quick, sections);
-    if let Some(rate) = std::env::var("REPLAYGUARD_BENCH_RATE")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|r| *r > 0)
-    {
-        plan.rate = rate;
+    if let Err(e) = override_sizes(&mut plan) {
+        eprintln!("{e}");
+        return ExitCode::FAILURE;
     }
     if let Ok(v) = std::env::var("REPLAYGUARD_BENCH_BROKERS")
         && !v.trim().is_empty()
     {
+        plan.custom = true;
         let mut kinds = Vec::new();
         for name in v.split(',').map(str::trim) {
             match BrokerKind::named(name) {
@@ -430,6 +440,54 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A positive number from the environment variable `name`, if it is set:
+/// a value that does not parse is an error, not a silent default.
+fn positive<T: std::str::FromStr + PartialOrd + Default>(name: &str) -> Result<Option<T>, String> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<T>() {
+            Ok(n) if n > T::default() => Ok(Some(n)),
+            _ => Err(format!("{name}: {v:?} is not a positive number")),
+        },
+        _ => Ok(None),
+    }
+}
+
+/// The plan's sizes that the environment overrides (the module's doc names
+/// them). Any of them makes the run `custom`.
+fn override_sizes(plan: &mut Plan) -> Result<(), String> {
+    let mut custom = false;
+    if let Some(rate) = positive::<u64>("REPLAYGUARD_BENCH_RATE")? {
+        plan.rate = rate;
+        custom = true;
+    }
+    if let Some(n) = positive::<u64>("REPLAYGUARD_BENCH_RECORDS")? {
+        plan.records = n;
+        custom = true;
+    }
+    if let Some(n) = positive::<u64>("REPLAYGUARD_BENCH_ENGINE_EPOCH")? {
+        plan.engine_epoch_records = n;
+        custom = true;
+    }
+    if let Some(s) = positive::<f64>("REPLAYGUARD_BENCH_RETENTION_INTERVAL")? {
+        plan.retention_interval_s = s;
+        custom = true;
+    }
+    if let Ok(v) = std::env::var("REPLAYGUARD_BENCH_RETENTION")
+        && !v.trim().is_empty()
+    {
+        plan.retention_epochs = v
+            .split(',')
+            .map(|e| e.trim().parse::<u32>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| {
+                format!("REPLAYGUARD_BENCH_RETENTION: {v:?} is not a list of epoch counts")
+            })?;
+        custom = true;
+    }
+    plan.custom |= custom;
+    Ok(())
 }
 
 fn run(plan: Plan) -> BenchResult {
@@ -788,8 +846,8 @@ fn retention(rt: &tokio::runtime::Runtime, plan: &Plan, summary: &mut Summary) -
                 },
             )?;
             println!(
-                "retention   {epochs:>2} epochs rep {rep}: pipeline {:>9.0} records/s, up to {} live fingerprints",
-                r.records_per_s, r.live_fingerprints_max
+                "retention   {epochs:>2} epochs rep {rep}: pipeline {:>9.0} records/s, {} checkpoints, up to {} live fingerprints in {} live epochs",
+                r.records_per_s, r.checkpoints, r.live_fingerprints_max, r.live_epochs_max
             );
             pipeline.push(r);
         }
@@ -868,7 +926,7 @@ fn write_outputs(plan: &Plan, summary: &Summary) -> BenchResult {
         .unwrap_or_else(|| manifest.join("target"));
     let mut dirs = vec![target.join("bench")];
     // Only a full run of every section replaces the published figures.
-    if !plan.quick && plan.reps >= 3 && SECTIONS.iter().all(|s| plan.runs(s)) {
+    if !plan.quick && !plan.custom && plan.reps >= 3 && SECTIONS.iter().all(|s| plan.runs(s)) {
         dirs.push(manifest.join("docs").join("bench"));
     }
     for dir in dirs {

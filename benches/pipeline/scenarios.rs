@@ -125,6 +125,8 @@ pub struct ThroughputRun {
     pub to_first_input_s: f64,
     /// Largest number of live fingerprints seen during the run (guarded).
     pub live_fingerprints_max: u64,
+    /// Largest number of live epochs seen during the run (guarded).
+    pub live_epochs_max: u64,
     /// Live fingerprints after the final checkpoint (guarded).
     pub live_fingerprints_end: u64,
     /// State folder bytes after the final checkpoint (guarded).
@@ -191,13 +193,15 @@ fn copy_run(
     let copy = copier(first.clone(), calls.clone());
     let handle = p.stats_handle();
     let mut live_max = 0u64;
+    let mut epochs_max = 0u64;
     let stats = rt.block_on(async {
         let sample = async {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let st = handle.stats();
-                let live = st.guard.map_or(0, |g| g.live_fingerprints);
+                let live = st.guard.as_ref().map_or(0, |g| g.live_fingerprints);
                 live_max = live_max.max(live);
+                epochs_max = epochs_max.max(st.guard.map_or(0, |g| g.live_epochs));
                 tracing::debug!(
                     records = st.records_in,
                     outputs = st.outputs,
@@ -249,6 +253,7 @@ fn copy_run(
         checkpoints: stats.checkpoints,
         to_first_input_s: secs(first - started),
         live_fingerprints_max: live_max.max(guard.live_fingerprints),
+        live_epochs_max: epochs_max.max(guard.live_epochs),
         live_fingerprints_end: guard.live_fingerprints,
         disk_bytes: guard.disk_bytes,
     })
