@@ -266,6 +266,10 @@ pub struct Store {
     counted_from: u64,
     /// The oldest live epoch, as the compaction filter of `sealed` sees it.
     oldest_live: Arc<AtomicU64>,
+    /// The epochs whose entries (`epoch_key`) the last manifest written or
+    /// read lists, oldest and open; `None` when none are stored (a new
+    /// folder, or one whose manifest still lists its epochs itself).
+    epoch_keys: Option<(u64, u64)>,
 }
 
 /// The key of a hash in `sealed`.
@@ -473,6 +477,7 @@ impl Store {
             counts: ks("counts")?,
             counted_from: 0,
             oldest_live,
+            epoch_keys: None,
             db,
         };
         let (loaded, manifest_sum) = store.load_meta(creating)?;
@@ -577,7 +582,7 @@ impl Store {
 
     /// The manifest and the lane table, and the xxh3 of the manifest's
     /// value (what `counted` is checked against).
-    fn load_meta(&self, creating: bool) -> Result<(Loaded, Option<u64>)> {
+    fn load_meta(&mut self, creating: bool) -> Result<(Loaded, Option<u64>)> {
         match self.meta.get("format").map_err(|e| self.read_err(e))? {
             Some(v) => {
                 if v.len() != 12 || &v[..8] != MAGIC {
@@ -615,10 +620,14 @@ impl Store {
         let (manifest, manifest_sum) =
             match self.meta.get("manifest").map_err(|e| self.read_err(e))? {
                 None => (None, None),
-                Some(v) => (
-                    Some(decode_manifest(&v).map_err(|w| self.corrupt(w))?),
-                    Some(xxh3_64(&v)),
-                ),
+                Some(v) => {
+                    let (mut m, range) = decode_manifest(&v).map_err(|w| self.corrupt(w))?;
+                    if let Some((from, to)) = range {
+                        m.epochs = self.read_epochs(from, to)?;
+                    }
+                    self.epoch_keys = range;
+                    (Some(m), Some(xxh3_64(&v)))
+                }
             };
         let mut lanes = Vec::new();
         for g in self.lanes.iter() {
@@ -680,13 +689,73 @@ impl Store {
         Ok(())
     }
 
+    /// The entries of the epochs `from..=to`, which a manifest names as
+    /// its live ones: every one must be there.
+    fn read_epochs(&self, from: u64, to: u64) -> Result<Vec<EpochInfo>> {
+        let mut out = Vec::new();
+        for g in self.meta.range(epoch_key(from)..=epoch_key(to)) {
+            let (k, v) = g.into_inner().map_err(|e| self.read_err(e))?;
+            let info = decode_epoch(&k, &v).ok_or_else(|| {
+                self.corrupt(format!("the entry of a live epoch is malformed ({k:?})"))
+            })?;
+            let want = from + out.len() as u64;
+            if info.epoch != want {
+                return Err(self.corrupt(format!(
+                    "the manifest lists epochs {from} to {to}, and the entry of epoch {want} is missing"
+                )));
+            }
+            out.push(info);
+        }
+        if out.len() as u64 != to - from + 1 {
+            let missing = from + out.len() as u64;
+            return Err(self.corrupt(format!(
+                "the manifest lists epochs {from} to {to}, and the entry of epoch {missing} is missing"
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Puts the manifest in `b`, with the entries of its epochs that
+    /// changed since the last one: those opened since, and the one open
+    /// then, which is now closed. Entries of epochs it no longer lists
+    /// are removed. So a checkpoint writes a few entries, however many
+    /// epochs are live. Returns the epochs that are then stored.
+    fn put_manifest(
+        &self,
+        b: &mut fjall::OwnedWriteBatch,
+        m: &Manifest,
+    ) -> Result<Option<(u64, u64)>> {
+        let range = m
+            .epochs
+            .first()
+            .zip(m.epochs.last())
+            .map(|(a, z)| (a.epoch, z.epoch));
+        let changed_from = self.epoch_keys.map_or(0, |(_, open)| open);
+        for e in m.epochs.iter().filter(|e| e.epoch >= changed_from) {
+            b.insert(&self.meta, epoch_key(e.epoch), encode_epoch(e));
+        }
+        if let Some((old_from, old_to)) = self.epoch_keys {
+            let keep_from = range.map_or(u64::MAX, |(from, _)| from);
+            let keep_to = range.map_or(0, |(_, to)| to);
+            for e in (old_from..=old_to).filter(|e| *e < keep_from || *e > keep_to) {
+                b.remove(&self.meta, epoch_key(e));
+            }
+        }
+        let raw = encode_manifest(m, range)?;
+        let mut counted = self.counted_from.to_be_bytes().to_vec();
+        counted.extend_from_slice(&xxh3_64(&raw).to_be_bytes());
+        b.insert(&self.meta, "manifest", raw);
+        b.insert(&self.meta, "counted", counted);
+        Ok(range)
+    }
+
     /// Writes chunks and new lane entries in one atomic batch.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] if the write or sync failed.
     pub fn write(
-        &self,
+        &mut self,
         chunks: &[ChunkWrite<'_>],
         new_lanes: &[(u32, &LaneName)],
         manifest: Option<&Manifest>,
@@ -705,21 +774,20 @@ impl Store {
             b.insert(&self.chunks, key, c.chunk.encode()?);
             b.insert(&self.counts, key, n.to_le_bytes());
         }
-        let mode = if let Some(m) = manifest {
-            let raw = encode_manifest(m)?;
-            let mut counted = self.counted_from.to_be_bytes().to_vec();
-            counted.extend_from_slice(&xxh3_64(&raw).to_be_bytes());
-            b.insert(&self.meta, "manifest", raw);
-            b.insert(&self.meta, "counted", counted);
-            PersistMode::SyncData
+        let (mode, stored) = if let Some(m) = manifest {
+            (PersistMode::SyncData, Some(self.put_manifest(&mut b, m)?))
         } else {
-            durability.mode()
+            (durability.mode(), None)
         };
         if b.is_empty() {
             return Ok(());
         }
         fail_point("store-write")?;
-        b.durability(Some(mode)).commit().map_err(|e| self.err(e))
+        b.durability(Some(mode)).commit().map_err(|e| self.err(e))?;
+        if let Some(range) = stored {
+            self.epoch_keys = range;
+        }
+        Ok(())
     }
 
     /// Deletes every chunk of the epochs before `oldest`: a few keys per
@@ -1055,26 +1123,114 @@ fn write_marker(path: &Path, creating: bool) -> std::io::Result<()> {
     std::fs::File::open(path)?.sync_all()
 }
 
-fn encode_manifest(m: &Manifest) -> Result<Vec<u8>> {
-    let json =
-        serde_json::to_vec(m).map_err(|e| Error::Config(format!("manifest encoding: {e}")))?;
+/// The manifest as stored. Its live epochs are named by their range, and
+/// each has an entry of its own in `meta` (`epoch_key`), written when it
+/// changes: a manifest that listed them all grew with every live epoch, and
+/// each checkpoint wrote it again (about 270 KB at 3,600 live epochs, kept
+/// in the store's memtable until a flush).
+#[derive(Serialize)]
+struct StoredManifest<'a> {
+    format: u32,
+    epoch: u64,
+    positions: &'a [LanePosition],
+    sink: &'a [u8],
+    /// The oldest and the open epoch; `None` when it lists none.
+    epoch_range: Option<(u64, u64)>,
+    checkpointed_at_ms: u64,
+}
+
+/// A stored manifest as read: either layout. A build before the epoch
+/// entries wrote `epochs` in full; one that finds `epoch_range` instead
+/// refuses the folder, as the field it needs is missing.
+#[derive(Deserialize)]
+struct ReadManifest {
+    format: u32,
+    epoch: u64,
+    positions: Vec<LanePosition>,
+    sink: Vec<u8>,
+    #[serde(default)]
+    epochs: Option<Vec<EpochInfo>>,
+    #[serde(default)]
+    epoch_range: Option<(u64, u64)>,
+    checkpointed_at_ms: u64,
+}
+
+fn encode_manifest(m: &Manifest, epoch_range: Option<(u64, u64)>) -> Result<Vec<u8>> {
+    let stored = StoredManifest {
+        format: m.format,
+        epoch: m.epoch,
+        positions: &m.positions,
+        sink: &m.sink,
+        epoch_range,
+        checkpointed_at_ms: m.checkpointed_at_ms,
+    };
+    let json = serde_json::to_vec(&stored)
+        .map_err(|e| Error::Config(format!("manifest encoding: {e}")))?;
     let mut out = xxh3_64(&json).to_le_bytes().to_vec();
     out.extend_from_slice(&json);
     Ok(out)
 }
 
-fn decode_manifest(v: &[u8]) -> std::result::Result<Manifest, String> {
+/// The manifest, and the range of epochs whose entries hold its live
+/// epochs (its `epochs` are then empty, to be read from them).
+fn decode_manifest(v: &[u8]) -> std::result::Result<(Manifest, Option<(u64, u64)>), String> {
     let (sum, json) = v.split_at_checked(8).ok_or("the manifest is truncated")?;
     let sum: [u8; 8] = sum.try_into().map_err(|_| "the manifest is truncated")?;
     if xxh3_64(json) != u64::from_le_bytes(sum) {
         return Err("the manifest checksum does not match".into());
     }
-    let m: Manifest =
+    let m: ReadManifest =
         serde_json::from_slice(json).map_err(|e| format!("the manifest is malformed: {e}"))?;
     if m.format != FORMAT_VERSION {
         return Err(format!("the manifest names format {}", m.format));
     }
-    Ok(m)
+    let range = match (&m.epochs, m.epoch_range) {
+        (Some(_), Some(_)) => return Err("the manifest both lists and ranges its epochs".into()),
+        (None, Some((from, to))) if from > to || to != m.epoch => {
+            return Err(format!(
+                "the manifest's epochs {from} to {to} do not end at its open epoch {}",
+                m.epoch
+            ));
+        }
+        (_, range) => range,
+    };
+    let manifest = Manifest {
+        format: m.format,
+        epoch: m.epoch,
+        positions: m.positions,
+        sink: m.sink,
+        epochs: m.epochs.unwrap_or_default(),
+        checkpointed_at_ms: m.checkpointed_at_ms,
+    };
+    Ok((manifest, range))
+}
+
+/// The key of a live epoch's entry in `meta`.
+fn epoch_key(epoch: u64) -> [u8; 13] {
+    let mut k = [0u8; 13];
+    k[..5].copy_from_slice(b"epoch");
+    k[5..].copy_from_slice(&epoch.to_be_bytes());
+    k
+}
+
+/// An epoch's entry: when it opened and closed (`u64::MAX` while open).
+fn encode_epoch(e: &EpochInfo) -> [u8; 16] {
+    let mut v = [0u8; 16];
+    v[..8].copy_from_slice(&e.opened_at_ms.to_le_bytes());
+    v[8..].copy_from_slice(&e.closed_at_ms.unwrap_or(u64::MAX).to_le_bytes());
+    v
+}
+
+fn decode_epoch(k: &[u8], v: &[u8]) -> Option<EpochInfo> {
+    let epoch = u64::from_be_bytes(k.strip_prefix(b"epoch")?.try_into().ok()?);
+    let opened: [u8; 8] = v.get(..8)?.try_into().ok()?;
+    let closed: [u8; 8] = v.get(8..)?.try_into().ok()?;
+    let closed = u64::from_le_bytes(closed);
+    Some(EpochInfo {
+        epoch,
+        opened_at_ms: u64::from_le_bytes(opened),
+        closed_at_ms: (closed != u64::MAX).then_some(closed),
+    })
 }
 
 /// Test-only fault injection: when the environment variable
@@ -1161,7 +1317,7 @@ mod test {
 
     /// Writes two chunks (lanes 0 and 1) of `epoch`, `10 * epoch + 1` and
     /// `10 * epoch + 2` hashes, with the manifest that closes the epoch.
-    fn write_epoch(store: &Store, epoch: u64) -> Result<()> {
+    fn write_epoch(store: &mut Store, epoch: u64) -> Result<()> {
         let (a, b) = (
             chunk(10 * u128::from(epoch) + 1),
             chunk(10 * u128::from(epoch) + 2),
@@ -1210,9 +1366,9 @@ mod test {
     fn counts_come_from_their_keyspace_when_the_manifest_vouches_for_them() -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
         {
-            let (store, _) = Store::open(dir.path())?;
+            let (mut store, _) = Store::open(dir.path())?;
             for e in 0..3 {
-                write_epoch(&store, e)?;
+                write_epoch(&mut store, e)?;
             }
             // Epoch 3 is open: its chunk has no manifest after it.
             let c = chunk(7);
@@ -1252,12 +1408,109 @@ mod test {
         Ok(())
     }
 
+    /// A manifest whose live epochs are `from..=to`, each opened at
+    /// `1000 * epoch` and closed when the next opened.
+    fn ranged(from: u64, to: u64) -> Manifest {
+        let epochs = (from..=to)
+            .map(|e| EpochInfo {
+                epoch: e,
+                opened_at_ms: 1000 * e,
+                closed_at_ms: (e < to).then_some(1000 * (e + 1)),
+            })
+            .collect();
+        Manifest {
+            epochs,
+            ..manifest(to)
+        }
+    }
+
+    fn epoch_entries(store: &Store) -> Vec<u64> {
+        store
+            .meta
+            .prefix(b"epoch")
+            .filter_map(|g| g.key().ok())
+            .filter_map(|k| Some(u64::from_be_bytes(k.get(5..)?.try_into().ok()?)))
+            .collect()
+    }
+
+    fn stored_manifest_len(store: &Store) -> Result<usize> {
+        let v = store.meta.get("manifest").map_err(|e| store.err(e))?;
+        Ok(v.map_or(0, |v| v.len()))
+    }
+
+    #[test]
+    fn a_checkpoint_writes_the_same_bytes_however_many_epochs_are_live() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
+        {
+            let (mut store, _) = Store::open(dir.path())?;
+            // 3,000 epochs stay live, then a window of 1,000 rolls on.
+            let mut sizes = Vec::new();
+            for to in 1_000..4_000 {
+                store.write(&[], &[], Some(&ranged(0, to)), Durability::Process)?;
+                sizes.push(stored_manifest_len(&store)?);
+            }
+            assert_eq!(sizes.iter().min(), sizes.iter().max(), "{sizes:?}");
+            assert_eq!(epoch_entries(&store), (0..4_000).collect::<Vec<_>>());
+            for to in 4_000..4_100 {
+                store.write(&[], &[], Some(&ranged(to - 999, to)), Durability::Process)?;
+            }
+            assert_eq!(epoch_entries(&store), (3_100..4_100).collect::<Vec<_>>());
+        }
+        let (_, loaded) = Store::open(dir.path())?;
+        assert_eq!(loaded.manifest, Some(ranged(3_100, 4_099)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_manifest_that_lists_its_epochs_still_opens_and_moves_them_to_entries() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
+        {
+            let (store, _) = Store::open(dir.path())?;
+            // As a build before the epoch entries wrote it: the whole list.
+            let json =
+                serde_json::to_vec(&ranged(5, 9)).map_err(|e| Error::Config(e.to_string()))?;
+            let mut raw = xxh3_64(&json).to_le_bytes().to_vec();
+            raw.extend_from_slice(&json);
+            store
+                .meta
+                .insert("manifest", raw)
+                .map_err(|e| store.err(e))?;
+        }
+        let (mut store, loaded) = Store::open(dir.path())?;
+        assert_eq!(loaded.manifest, Some(ranged(5, 9)));
+        assert!(epoch_entries(&store).is_empty());
+        // The next checkpoint writes an entry for every live epoch.
+        store.write(&[], &[], Some(&ranged(6, 10)), Durability::Process)?;
+        assert_eq!(epoch_entries(&store), (6..=10).collect::<Vec<_>>());
+        drop(store);
+        let (_, loaded) = Store::open(dir.path())?;
+        assert_eq!(loaded.manifest, Some(ranged(6, 10)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_live_epoch_without_its_entry_is_corruption() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
+        {
+            let (mut store, _) = Store::open(dir.path())?;
+            store.write(&[], &[], Some(&ranged(3, 8)), Durability::Process)?;
+            store.meta.remove(epoch_key(5)).map_err(|e| store.err(e))?;
+        }
+        match Store::open(dir.path()) {
+            Err(Error::Corrupt { what, .. }) => {
+                assert!(what.contains("entry of epoch 5 is missing"), "{what}");
+            }
+            other => panic!("expected Error::Corrupt, got {:?}", other.map(|(_, l)| l)),
+        }
+        Ok(())
+    }
+
     #[test]
     fn counts_are_not_trusted_after_a_manifest_written_without_them() -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
         {
-            let (store, _) = Store::open(dir.path())?;
-            write_epoch(&store, 0)?;
+            let (mut store, _) = Store::open(dir.path())?;
+            write_epoch(&mut store, 0)?;
             // A build that does not know `counts`: its chunks of epochs 1
             // and 2 have no count, and its manifests no `counted` beside them.
             for e in 1..3 {
@@ -1266,17 +1519,17 @@ mod test {
                 }
                 store
                     .meta
-                    .insert("manifest", encode_manifest(&manifest(e + 1))?)
+                    .insert("manifest", encode_manifest(&manifest(e + 1), None)?)
                     .map_err(|e| store.err(e))?;
             }
         }
-        let (store, _) = Store::open(dir.path())?;
+        let (mut store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 4);
         assert_eq!(counted(&store, 0)?, expected(0..3));
         // This build closes epochs 3 and 4; from 4 on its counts are trusted
         // again (epoch 3 was open when it came, so its chunks may lack them).
-        write_epoch(&store, 3)?;
-        write_epoch(&store, 4)?;
+        write_epoch(&mut store, 3)?;
+        write_epoch(&mut store, 4)?;
         drop(store);
         let (store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 4);
@@ -1292,17 +1545,17 @@ mod test {
     fn an_open_epoch_with_chunks_of_an_older_build_is_not_counted() -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| Error::Config(e.to_string()))?;
         {
-            let (store, _) = Store::open(dir.path())?;
-            write_epoch(&store, 0)?;
-            write_epoch(&store, 1)?;
+            let (mut store, _) = Store::open(dir.path())?;
+            write_epoch(&mut store, 0)?;
+            write_epoch(&mut store, 1)?;
             // An older build then wrote a chunk of the open epoch 2 and
             // stopped before its first checkpoint.
             write_uncounted(&store, chunk_key(2, 0, 1), 5)?;
         }
-        let (store, _) = Store::open(dir.path())?;
+        let (mut store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 3);
         // This build closes epoch 2 with chunks of its own.
-        write_epoch(&store, 2)?;
+        write_epoch(&mut store, 2)?;
         drop(store);
         let (store, _) = Store::open(dir.path())?;
         assert_eq!(store.counted_from, 3);

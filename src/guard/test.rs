@@ -1045,7 +1045,7 @@ fn a_disk_index_rebuilt_from_chunks_keeps_a_hash_in_its_newest_epoch() -> Result
     drop(g);
     // Hash 7 of epoch 0 in epoch 1 too, in a chunk of its own; then a disk
     // index to rebuild from the chunks at the next open.
-    let (store, _) = Store::open(dir.path())?;
+    let (mut store, _) = Store::open(dir.path())?;
     let Fingerprint::Hash(h) = hash(7) else {
         unreachable!("a content fingerprint is a hash")
     };
