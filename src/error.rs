@@ -57,14 +57,14 @@ pub enum Error {
 
     /// The state was written by a format version this build does not know.
     #[error(
-        "state folder {path} has format version {found}, but this build reads only version {supported}; use a replayguard release that matches it"
+        "state folder {path} has format version {found}, but this build reads versions up to {supported}; use a replayguard release that reads it"
     )]
     UnsupportedVersion {
         /// The state folder.
         path: PathBuf,
         /// The version found on disk.
         found: u32,
-        /// The version this build reads and writes.
+        /// The newest version this build reads, and the one it writes.
         supported: u32,
     },
 

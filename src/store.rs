@@ -48,8 +48,20 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{Error, Result, StoreError};
 
-/// The on-disk format version this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The on-disk format version this build writes. 2: each live epoch has an
+/// entry of its own, and the manifest names their range.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The oldest format this build reads. A folder of an older format it
+/// supports is marked with the current one when opened for writing, so
+/// that a build that cannot read what this one writes refuses it by its
+/// version, not as damage.
+const OLDEST_FORMAT: u32 = 1;
+
+/// Whether this build reads folders of format `found`.
+fn reads_format(found: u32) -> bool {
+    (OLDEST_FORMAT..=FORMAT_VERSION).contains(&found)
+}
 
 const MARKER: &str = "REPLAYGUARD";
 /// Third line of the marker while a new folder is being set up.
@@ -392,9 +404,10 @@ impl Store {
         // The marker says "creating" until the database holds its format
         // key. A folder past that point whose database is gone is damage,
         // not a new folder: recreating it would be a silent reset.
+        let mut marked = FORMAT_VERSION;
         let creating = match std::fs::read_to_string(&marker) {
             Ok(text) => {
-                check_marker(path, &text)?;
+                marked = check_marker(path, &text)?;
                 let creating = text.lines().nth(2) == Some(CREATING);
                 if !creating && !db_path.is_dir() {
                     return Err(Error::Corrupt {
@@ -480,9 +493,20 @@ impl Store {
             epoch_keys: None,
             db,
         };
-        let (loaded, manifest_sum) = store.load_meta(creating)?;
+        let (loaded, manifest_sum, stored) = store.load_meta(creating)?;
         store.counted_from = store.counted_from(loaded.manifest.as_ref(), manifest_sum)?;
-        if creating {
+        if !read_only && stored < FORMAT_VERSION {
+            tracing::info!(
+                path = %path.display(),
+                from = stored,
+                to = FORMAT_VERSION,
+                "the state folder is marked with this build's format; its content is read as it is"
+            );
+            let mut b = store.db.batch().durability(Some(PersistMode::SyncData));
+            b.insert(&store.meta, "format", format_value());
+            b.commit().map_err(|e| store.err(e))?;
+        }
+        if creating || (!read_only && marked < FORMAT_VERSION) {
             write_marker(path, false).map_err(open_err)?;
         }
         Ok(Some((store, loaded)))
@@ -582,20 +606,22 @@ impl Store {
 
     /// The manifest and the lane table, and the xxh3 of the manifest's
     /// value (what `counted` is checked against).
-    fn load_meta(&mut self, creating: bool) -> Result<(Loaded, Option<u64>)> {
+    fn load_meta(&mut self, creating: bool) -> Result<(Loaded, Option<u64>, u32)> {
+        let mut stored = FORMAT_VERSION;
         match self.meta.get("format").map_err(|e| self.read_err(e))? {
             Some(v) => {
                 if v.len() != 12 || &v[..8] != MAGIC {
                     return Err(self.corrupt("the format key has no replayguard magic"));
                 }
                 let found = u32::from_be_bytes([v[8], v[9], v[10], v[11]]);
-                if found != FORMAT_VERSION {
+                if !reads_format(found) {
                     return Err(Error::UnsupportedVersion {
                         path: self.path.clone(),
                         found,
                         supported: FORMAT_VERSION,
                     });
                 }
+                stored = found;
             }
             None => {
                 // A folder whose creation was interrupted has the marker and
@@ -610,10 +636,8 @@ impl Store {
                 {
                     return Err(self.corrupt("the format key is missing"));
                 }
-                let mut v = MAGIC.to_vec();
-                v.extend_from_slice(&FORMAT_VERSION.to_be_bytes());
                 let mut b = self.db.batch().durability(Some(PersistMode::SyncData));
-                b.insert(&self.meta, "format", v);
+                b.insert(&self.meta, "format", format_value());
                 b.commit().map_err(|e| self.err(e))?;
             }
         }
@@ -639,7 +663,7 @@ impl Store {
                 .map_err(|e| self.corrupt(format!("a lane entry is malformed: {e}")))?;
             lanes.push((u32::from_be_bytes(id), name));
         }
-        Ok((Loaded { manifest, lanes }, manifest_sum))
+        Ok((Loaded { manifest, lanes }, manifest_sum, stored))
     }
 
     /// Streams every chunk of the epochs at or after `oldest`, calling `f`
@@ -1083,7 +1107,8 @@ pub fn is_new_folder(path: &Path) -> std::io::Result<bool> {
 /// The name of the marker file of a state folder.
 pub const MARKER_FILE: &str = MARKER;
 
-fn check_marker(path: &Path, text: &str) -> Result<()> {
+/// The format the marker names, if this build reads it.
+fn check_marker(path: &Path, text: &str) -> Result<u32> {
     let mut lines = text.lines();
     if lines.next() != Some("replayguard state") {
         return Err(Error::Corrupt {
@@ -1099,14 +1124,21 @@ fn check_marker(path: &Path, text: &str) -> Result<()> {
             path: path.to_owned(),
             what: format!("{MARKER} has no format line"),
         })?;
-    if found != FORMAT_VERSION {
+    if !reads_format(found) {
         return Err(Error::UnsupportedVersion {
             path: path.to_owned(),
             found,
             supported: FORMAT_VERSION,
         });
     }
-    Ok(())
+    Ok(found)
+}
+
+/// The value of `meta`'s format key: the magic, then the format.
+fn format_value() -> Vec<u8> {
+    let mut v = MAGIC.to_vec();
+    v.extend_from_slice(&FORMAT_VERSION.to_be_bytes());
+    v
 }
 
 /// Writes the marker atomically; `creating` adds the third line that says
@@ -1181,7 +1213,7 @@ fn decode_manifest(v: &[u8]) -> std::result::Result<(Manifest, Option<(u64, u64)
     }
     let m: ReadManifest =
         serde_json::from_slice(json).map_err(|e| format!("the manifest is malformed: {e}"))?;
-    if m.format != FORMAT_VERSION {
+    if !reads_format(m.format) {
         return Err(format!("the manifest names format {}", m.format));
     }
     let range = match (&m.epochs, m.epoch_range) {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use fjall::{Database, KeyspaceCreateOptions};
-use replayguard::{Error, Fingerprint, Guard, Result};
+use replayguard::{Error, FORMAT_VERSION, Fingerprint, Guard, Result};
 
 /// Records per lane in the closed epoch 0 (checkpointed) and in the open
 /// epoch 1 (flushed, not checkpointed).
@@ -389,12 +389,12 @@ fn an_interrupted_creation_is_finished_on_the_next_open() -> Result<()> {
     // What a crash right after the first step of creating a folder leaves.
     std::fs::write(
         state.join("REPLAYGUARD"),
-        "replayguard state\nformat 1\ncreating\n",
+        format!("replayguard state\nformat {FORMAT_VERSION}\ncreating\n"),
     )?;
     populate(state)?;
     assert_eq!(
         std::fs::read_to_string(state.join("REPLAYGUARD"))?,
-        "replayguard state\nformat 1\n"
+        format!("replayguard state\nformat {FORMAT_VERSION}\n")
     );
     assert_intact(state)
 }
@@ -406,7 +406,10 @@ fn assert_unsupported(e: &Error, dir: &Path, version: u32) {
             found,
             supported,
         } => {
-            assert_eq!((path.as_path(), *found, *supported), (dir, version, 1));
+            assert_eq!(
+                (path.as_path(), *found, *supported),
+                (dir, version, FORMAT_VERSION)
+            );
         }
         other => panic!("expected Error::UnsupportedVersion, got {other:?}"),
     }
@@ -419,15 +422,84 @@ fn a_newer_format_in_the_marker_is_refused() -> Result<()> {
     populate(state)?;
     let marker = state.join("REPLAYGUARD");
     let saved = std::fs::read_to_string(&marker)?;
-    assert!(saved.contains("format 1"), "{saved:?}");
-    std::fs::write(&marker, saved.replace("format 1", "format 2"))?;
-    assert_unsupported(&expect_err(open(state)), state, 2);
+    let (now, newer) = (
+        format!("format {FORMAT_VERSION}"),
+        format!("format {}", FORMAT_VERSION + 1),
+    );
+    assert!(saved.contains(&now), "{saved:?}");
+    std::fs::write(&marker, saved.replace(&now, &newer))?;
+    assert_unsupported(&expect_err(open(state)), state, FORMAT_VERSION + 1);
     assert_eq!(
         std::fs::read_to_string(&marker)?,
-        saved.replace("format 1", "format 2")
+        saved.replace(&now, &newer)
     );
     std::fs::write(&marker, saved)?;
     assert_intact(state)
+}
+
+/// Format 1 listed the live epochs in the manifest, which each checkpoint
+/// wrote whole; format 2 gives each its own entry.
+#[test]
+fn a_folder_of_format_1_opens_intact_and_is_marked_with_the_current_format() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path();
+    populate(state)?;
+    // Made into what a format 1 build leaves: the marker, the format key,
+    // the manifest with its epochs listed, and no epoch entries.
+    let mut manifest = open(state)?
+        .manifest()
+        .cloned()
+        .ok_or_else(|| Error::Config("no manifest".into()))?;
+    assert!(!manifest.epochs.is_empty());
+    manifest.format = 1;
+    let json = serde_json::to_vec(&manifest).map_err(|e| Error::Config(e.to_string()))?;
+    let mut raw = xxhash_rust::xxh3::xxh3_64(&json).to_le_bytes().to_vec();
+    raw.extend_from_slice(&json);
+    let mut format1 = b"RPGUARD\0".to_vec();
+    format1.extend_from_slice(&1u32.to_be_bytes());
+    {
+        let db = raw_db(state)?;
+        let meta = db
+            .keyspace("meta", KeyspaceCreateOptions::default)
+            .map_err(|e| Error::Config(format!("{e}")))?;
+        let entries: Vec<Vec<u8>> = meta
+            .prefix(b"epoch")
+            .map(|g| g.key().map(|k| k.to_vec()))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| Error::Config(format!("{e}")))?;
+        assert_eq!(entries.len(), manifest.epochs.len());
+        let mut b = db.batch();
+        for k in entries {
+            b.remove(&meta, k);
+        }
+        b.insert(&meta, "manifest", raw);
+        b.insert(&meta, "format", format1);
+        b.commit().map_err(|e| Error::Config(format!("{e}")))?;
+        db.persist(fjall::PersistMode::SyncAll)
+            .map_err(|e| Error::Config(format!("{e}")))?;
+    }
+    let marker = state.join("REPLAYGUARD");
+    std::fs::write(&marker, "replayguard state\nformat 1\n")?;
+    // It opens as it was, and is marked with this build's format, so that
+    // a format 1 build refuses it by its version.
+    assert_intact(state)?;
+    assert_eq!(
+        std::fs::read_to_string(&marker)?,
+        format!("replayguard state\nformat {FORMAT_VERSION}\n")
+    );
+    let key = raw_get(state, "meta", b"format")?;
+    assert_eq!(key[8..], FORMAT_VERSION.to_be_bytes());
+    // Its next checkpoint writes the epochs' entries, and it opens again.
+    let mut g = open(state)?;
+    let lanes = [g.lane("t", 0), g.lane("t", 1)];
+    g.checkpoint(&[(lanes[0], OPEN), (lanes[1], OPEN)], b"sink".to_vec())?;
+    drop(g);
+    let mut g = open(state)?;
+    assert_eq!(g.epoch(), 2);
+    assert_eq!(g.manifest().map(|m| m.format), Some(FORMAT_VERSION));
+    let lane = g.lane("t", 1);
+    assert!(!g.check(lane, None, Some(fp(1, CLOSED + 20)))?.is_fresh());
+    Ok(())
 }
 
 #[test]

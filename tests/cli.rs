@@ -1088,7 +1088,10 @@ fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {
     }
 
     let table = text(&table.stdout);
-    expect_contains(&table, "format        1\n")?;
+    expect_contains(
+        &table,
+        &format!("format        {}\n", replayguard::FORMAT_VERSION),
+    )?;
     for (p, end) in &ends {
         expect_contains(&table, &format!("  in[{p}]  {end}\n"))?;
     }
@@ -1119,7 +1122,7 @@ fn inspect_shows_a_state_folder_and_leaves_it_as_it_was() -> TestResult {
         .values()
         .map(|v| v.as_i64().unwrap_or(0))
         .sum();
-    let ok = json["format"] == 1
+    let ok = json["format"] == replayguard::FORMAT_VERSION
         && positions == expected
         // Three completed epochs kept: the 50 offsets are still remembered.
         && handled == 50
