@@ -38,10 +38,17 @@ use crate::fingerprint::Fingerprint;
 #[derive(Debug)]
 pub struct EpochIndex {
     epoch: u64,
+    /// Empty while `dense`.
     offsets: RoaringTreemap,
     /// The range of the offsets: a record outside it (the usual fresh
     /// record) is answered without a bitmap lookup.
     offset_range: Option<(u64, u64)>,
+    /// The offsets are every one of `offset_range`, and `offsets` holds
+    /// none of them. A sealed epoch whose offsets are one run is kept so:
+    /// a bitmap costs a tree node and a container whatever it holds, about
+    /// 480 bytes for a lane's epoch of a few dozen records (BENCHMARKS.md,
+    /// "Many live epochs").
+    dense: bool,
     ids: RoaringTreemap,
     id_range: Option<(u64, u64)>,
     /// Content hashes recorded in this epoch.
@@ -70,6 +77,7 @@ impl EpochIndex {
             epoch,
             offsets: RoaringTreemap::new(),
             offset_range: None,
+            dense: false,
             ids: RoaringTreemap::new(),
             id_range: None,
             hashes: 0,
@@ -79,7 +87,7 @@ impl EpochIndex {
     /// Whether this epoch handled the offset.
     #[must_use]
     pub fn contains_offset(&self, offset: u64) -> bool {
-        in_range(self.offset_range, offset) && self.offsets.contains(offset)
+        in_range(self.offset_range, offset) && (self.dense || self.offsets.contains(offset))
     }
 
     /// Whether this epoch handled the user id.
@@ -103,11 +111,51 @@ impl EpochIndex {
     /// Number of offsets.
     #[must_use]
     pub fn offsets(&self) -> u64 {
-        self.offsets.len()
+        match (self.dense, self.offset_range) {
+            (true, Some((lo, hi))) => hi - lo + 1,
+            _ => self.offsets.len(),
+        }
     }
 
     fn bitmap_bytes(&self) -> usize {
         bitmap_bytes(&self.offsets) + bitmap_bytes(&self.ids)
+    }
+
+    /// The offsets as a bitmap: made from the range when `dense`.
+    fn offset_bitmap(&self) -> std::borrow::Cow<'_, RoaringTreemap> {
+        match (self.dense, self.offset_range) {
+            (true, Some((lo, hi))) => {
+                let mut b = RoaringTreemap::new();
+                b.insert_range(lo..=hi);
+                std::borrow::Cow::Owned(b)
+            }
+            _ => std::borrow::Cow::Borrowed(&self.offsets),
+        }
+    }
+
+    /// The offsets' bitmap, to change: made from the range first when
+    /// `dense`.
+    fn offsets_mut(&mut self) -> &mut RoaringTreemap {
+        if self.dense {
+            self.offsets = self.offset_bitmap().into_owned();
+            self.dense = false;
+        }
+        &mut self.offsets
+    }
+
+    /// Packs the bitmaps of an epoch that no longer records, and keeps its
+    /// offsets as their range when they are one run.
+    fn seal(&mut self) {
+        self.ids.optimize();
+        if let Some((lo, hi)) = self.offset_range
+            && !self.dense
+            && self.offsets.len() == hi - lo + 1
+        {
+            self.offsets = RoaringTreemap::new();
+            self.dense = true;
+        } else {
+            self.offsets.optimize();
+        }
     }
 }
 
@@ -559,7 +607,7 @@ impl LaneIndex {
         let e = self.epoch_mut(epoch);
         let mut added = (0, 0);
         if let Some(o) = offset {
-            added.0 = u64::from(e.offsets.insert(o));
+            added.0 = u64::from(e.offsets_mut().insert(o));
             widen(&mut e.offset_range, o, o);
         }
         if let Some(i) = id {
@@ -594,9 +642,9 @@ impl LaneIndex {
         }
         let sealed = epoch < self.open;
         let e = self.epoch_mut(epoch);
-        let before = e.offsets.len();
-        e.offsets |= offsets;
-        let added = e.offsets.len() - before;
+        let before = e.offsets();
+        *e.offsets_mut() |= offsets;
+        let added = e.offsets() - before;
         if let (Some(lo), Some(hi)) = (offsets.min(), offsets.max()) {
             widen(&mut e.offset_range, lo, hi);
         }
@@ -660,8 +708,7 @@ impl LaneIndex {
         let open = self.open;
         let mut bytes = 0;
         for e in self.epochs.iter_mut().filter(|e| e.epoch < open) {
-            e.offsets.optimize();
-            e.ids.optimize();
+            e.seal();
             bytes += e.bitmap_bytes();
         }
         self.sealed_offsets.optimize();
@@ -695,10 +742,9 @@ impl LaneIndex {
             if last.hashes * 4 >= self.hashes.len() as u64 && !room_kept {
                 self.hashes.pack();
             }
-            last.offsets.optimize();
-            last.ids.optimize();
-            self.sealed_bitmap_bytes += last.bitmap_bytes();
             self.sealed_offsets |= &last.offsets;
+            last.seal();
+            self.sealed_bitmap_bytes += last.bitmap_bytes();
             self.sealed_ids |= &last.ids;
             self.sealed_offsets.optimize();
             self.sealed_ids.optimize();
@@ -717,7 +763,7 @@ impl LaneIndex {
         let mut carried = RoaringTreemap::new();
         for e in self.epochs.iter().take_while(|e| e.epoch < oldest_live) {
             if e.offset_range.is_some_and(|(_, hi)| hi >= position) {
-                let mut tail = e.offsets.clone();
+                let mut tail = e.offset_bitmap().into_owned();
                 tail.remove_range(..position);
                 carried |= tail;
             }
@@ -737,7 +783,7 @@ impl LaneIndex {
             let Some(e) = self.epochs.pop_front() else {
                 break;
             };
-            self.sealed_offsets -= &e.offsets;
+            self.sealed_offsets -= e.offset_bitmap().as_ref();
             self.sealed_ids -= &e.ids;
             if e.epoch < self.open {
                 self.sealed_bitmap_bytes =
@@ -837,7 +883,7 @@ impl LaneIndex {
         if let Some(last) = self.epochs.back()
             && self.is_open(last)
         {
-            all |= &last.offsets;
+            all |= last.offset_bitmap().as_ref();
         }
         all
     }

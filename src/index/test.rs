@@ -271,3 +271,60 @@ fn a_purge_that_empties_the_table_keeps_room_for_the_next_epoch() {
         );
     }
 }
+
+#[test]
+fn a_sealed_run_of_offsets_is_kept_as_its_range_and_answers_as_a_bitmap_did() {
+    let mut lane = LaneIndex::new(0, 0, 0);
+    // Epoch 0: one run, 100..140. Epoch 1: a run with a gap at 150.
+    for o in 100..140 {
+        lane.insert(0, Some(o), None);
+    }
+    lane.close(1);
+    for o in (140..160).filter(|o| *o != 150) {
+        lane.insert(1, Some(o), None);
+    }
+    lane.close(2);
+    let sealed: Vec<(bool, u64, bool)> = lane
+        .epochs()
+        .map(|e| (e.dense, e.offsets(), e.offsets.is_empty()))
+        .collect();
+    assert_eq!(sealed, vec![(true, 40, true), (false, 19, false)]);
+    for o in 90..170 {
+        let want = match o {
+            100..140 => Some((Reason::SamePosition, 0)),
+            150 => None,
+            140..160 => Some((Reason::SamePosition, 1)),
+            _ => None,
+        };
+        assert_eq!(found(&lane, Some(o), None), want, "offset {o}");
+    }
+    assert_eq!(lane.live_offset_count(), 59);
+    let live: Vec<u64> = lane.live_offsets().iter().collect();
+    let want: Vec<u64> = (100..160).filter(|o| *o != 150).collect();
+    assert_eq!(live, want);
+    // What a drop carries into the open epoch comes from the range.
+    let carried: Vec<u64> = lane.carried(1, 130).iter().collect();
+    assert_eq!(carried, (130..140).collect::<Vec<_>>());
+    // A merge into the dense epoch (as a load does) makes a bitmap again.
+    let mut more = RoaringTreemap::new();
+    more.insert(145);
+    lane.merge_offsets(0, &more);
+    let first = lane.epochs().next().map(|e| (e.dense, e.offsets()));
+    assert_eq!(first, Some((false, 41)));
+    assert_eq!(
+        found(&lane, Some(145), None),
+        Some((Reason::SamePosition, 1))
+    );
+    assert_eq!(
+        found(&lane, Some(139), None),
+        Some((Reason::SamePosition, 0))
+    );
+    // The drop takes the epoch's offsets out of the sealed union.
+    lane.drop_before(1);
+    assert_eq!(found(&lane, Some(120), None), None);
+    assert_eq!(
+        found(&lane, Some(141), None),
+        Some((Reason::SamePosition, 1))
+    );
+    assert_eq!(lane.live_offset_count(), 19);
+}
