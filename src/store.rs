@@ -1171,9 +1171,9 @@ struct StoredManifest<'a> {
     checkpointed_at_ms: u64,
 }
 
-/// A stored manifest as read: either layout. A build before the epoch
-/// entries wrote `epochs` in full; one that finds `epoch_range` instead
-/// refuses the folder, as the field it needs is missing.
+/// A stored manifest as read: either layout. Format 1 listed the live
+/// epochs in `epochs`; format 2 names their range in `epoch_range`, and a
+/// format 1 build refuses it by the folder's format before it reads this.
 #[derive(Deserialize)]
 struct ReadManifest {
     format: u32,
