@@ -454,26 +454,34 @@ fn positive<T: std::str::FromStr + PartialOrd + Default>(name: &str) -> Result<O
     }
 }
 
+/// Sets `field` from the environment variable `name` when it is set
+/// ([`positive`]), and says whether it was.
+fn set_from<T: std::str::FromStr + PartialOrd + Default>(
+    field: &mut T,
+    name: &str,
+) -> Result<bool, String> {
+    let found = positive::<T>(name)?;
+    let set = found.is_some();
+    if let Some(v) = found {
+        *field = v;
+    }
+    Ok(set)
+}
+
 /// The plan's sizes that the environment overrides (the module's doc names
 /// them). Any of them makes the run `custom`.
 fn override_sizes(plan: &mut Plan) -> Result<(), String> {
     let mut custom = false;
-    if let Some(rate) = positive::<u64>("REPLAYGUARD_BENCH_RATE")? {
-        plan.rate = rate;
-        custom = true;
-    }
-    if let Some(n) = positive::<u64>("REPLAYGUARD_BENCH_RECORDS")? {
-        plan.records = n;
-        custom = true;
-    }
-    if let Some(n) = positive::<u64>("REPLAYGUARD_BENCH_ENGINE_EPOCH")? {
-        plan.engine_epoch_records = n;
-        custom = true;
-    }
-    if let Some(s) = positive::<f64>("REPLAYGUARD_BENCH_RETENTION_INTERVAL")? {
-        plan.retention_interval_s = s;
-        custom = true;
-    }
+    custom |= set_from(&mut plan.rate, "REPLAYGUARD_BENCH_RATE")?;
+    custom |= set_from(&mut plan.records, "REPLAYGUARD_BENCH_RECORDS")?;
+    custom |= set_from(
+        &mut plan.engine_epoch_records,
+        "REPLAYGUARD_BENCH_ENGINE_EPOCH",
+    )?;
+    custom |= set_from(
+        &mut plan.retention_interval_s,
+        "REPLAYGUARD_BENCH_RETENTION_INTERVAL",
+    )?;
     if let Ok(v) = std::env::var("REPLAYGUARD_BENCH_RETENTION")
         && !v.trim().is_empty()
     {

@@ -148,7 +148,6 @@ impl EpochIndex {
     fn seal(&mut self) {
         self.ids.optimize();
         if let Some((lo, hi)) = self.offset_range
-            && !self.dense
             && self.offsets.len() == hi - lo + 1
         {
             self.offsets = RoaringTreemap::new();
