@@ -48,6 +48,15 @@ pub const TAG_SPAN: u64 = 1 << TAG_BITS;
 
 /// Load, in percent of the homes, above which the table grows.
 const MAX_LOAD_PCT: usize = 85;
+/// Homes below which a table doubles when it grows; from there on it grows
+/// by a fifth, which keeps a large table's memory near its entries. A
+/// growth works out every entry's place again (a division an entry, in
+/// each of two passes), so growth by a fifth from empty moves about six
+/// times the final table's entries, and doubling about two. Below this size
+/// (384 KiB of slots) a lane's table is cheap to hold half empty, and
+/// growing from empty is most of what a short-lived or young lane spends
+/// on its table (BENCHMARKS.md, "Growth by doubling up to 32,768 homes").
+const DOUBLING_HOMES: usize = 1 << 15;
 /// Load at which a table is laid out after a purge or a bulk load. Probes
 /// get slower quickly above it (measured at 10M with 16-byte slots: about
 /// 60 ns at 80%, 140 ns at 92%).
@@ -832,7 +841,7 @@ impl FpTable {
         }
         let homes = self.scale.homes as usize;
         if self.n == 0 || (self.len + 1) * 100 > homes * MAX_LOAD_PCT {
-            self.grow(if homes < 4096 {
+            self.grow(if homes < DOUBLING_HOMES {
                 homes * 2
             } else {
                 homes + homes / 5
