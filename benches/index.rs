@@ -7,7 +7,7 @@
 //! 1,000,000; the targets are stated for 10,000,000, and the
 //! disk tier's for 100,000,000). `REPLAYGUARD_BENCH_ONLY` runs only the
 //! named groups (comma-separated: `check`, `epochs`, `record`, `disk`,
-//! `memory`, `machine`).
+//! `memory`, `machine`, `hash`).
 //!
 //! - `check`: `Guard::check` and `Guard::check_many` (batched) against N
 //!   fingerprints, in the open table and sealed.
@@ -34,6 +34,10 @@
 //!   checks do, and one after another where each read gives the next
 //!   address (the latency). A check's rate is bounded by the lines it
 //!   reads times this rate; BENCHMARKS.md says which.
+//! - `hash`: `Fingerprint::content` of a 16-byte key with values of 100
+//!   and 1,000 bytes, beside the streaming xxh3 of the same bytes (the
+//!   way it was hashed before, and still is past 64 KiB): the same
+//!   value, so their ratio is what hashing in one call saves.
 //!
 //! Times are the benchmarking thread's CPU time, not wall time: the target
 //! is per core, and on a shared 2-core machine wall time also counts the
@@ -956,9 +960,60 @@ fn machine(c: &mut Criterion<ThreadCpu>) {
     group.finish();
 }
 
+/// The streaming xxh3 of `Fingerprint::content`'s bytes: the tag `C`, then
+/// for key and value a presence byte, the length (u64 LE) and the bytes.
+fn streamed_content(key: &[u8], value: &[u8]) -> u128 {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(replayguard::fingerprint::SEED);
+    h.update(b"C");
+    for part in [key, value] {
+        h.update(&[1]);
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.digest128()
+}
+
+fn hash(c: &mut Criterion<ThreadCpu>) {
+    if !wanted("hash") {
+        return;
+    }
+    let key = [7u8; 16];
+    let values: Vec<Vec<u8>> = (0..BATCH as u64)
+        .map(|i| {
+            let mut v = vec![b'.'; 1000];
+            v[..8].copy_from_slice(&i.to_le_bytes());
+            v
+        })
+        .collect();
+    for len in [100, 1000] {
+        let one = &values[0][..len];
+        assert_eq!(
+            Fingerprint::content(Some(&key), Some(one)),
+            Fingerprint::Hash(streamed_content(&key, one)),
+            "the two ways give one value"
+        );
+        let mut group = quick_group(c, &format!("hash/{len}B"));
+        group.bench_function("content", |b| {
+            b.iter(|| {
+                for v in &values {
+                    black_box(Fingerprint::content(Some(&key), Some(&v[..len])));
+                }
+            })
+        });
+        group.bench_function("streamed", |b| {
+            b.iter(|| {
+                for v in &values {
+                    black_box(streamed_content(&key, &v[..len]));
+                }
+            })
+        });
+        group.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().with_measurement(ThreadCpu(WallTime));
-    targets = check, epochs, record, disk, memory, machine
+    targets = check, epochs, record, disk, memory, machine, hash
 }
 criterion_main!(benches);
