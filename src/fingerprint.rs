@@ -101,13 +101,8 @@ impl std::fmt::Display for Fingerprint {
     }
 }
 
-/// A record whose hashed bytes are this long or less is laid out in a
-/// buffer of its thread and hashed in one call. The one-shot hash and the
-/// streaming one give the same value for the same bytes, and the one-shot
-/// skips the streaming state's setup and its buffering: 1.6 times as fast
-/// for a 100-byte value, 1.03 for 1,000 bytes (BENCHMARKS.md,
-/// "Fingerprints hashed in one call").
-/// Longer records are streamed, so that no thread keeps a large buffer.
+/// Records whose hashed bytes are longer than this are streamed, so that
+/// no thread keeps a large buffer ([`hash_parts`]).
 const ONE_SHOT_BYTES: usize = 64 * 1024;
 
 thread_local! {
@@ -115,11 +110,18 @@ thread_local! {
     static LAID_OUT: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Records this short are laid out on the stack instead (most are): no
-/// thread-local lookup, and a buffer small enough to clear.
+/// Records this short are laid out on the stack instead of the thread's
+/// buffer (most are): no thread-local lookup, and a buffer small enough
+/// to clear.
 const ON_STACK_BYTES: usize = 256;
 
-/// xxh3-128 of `tag` and then each part as [`lay_out`] encodes it.
+/// xxh3-128 of `tag` and then each part as [`lay_out`] encodes it: the
+/// bytes laid out in one buffer and hashed in one call, up to
+/// [`ONE_SHOT_BYTES`]. The one-shot hash and the streaming one give the
+/// same value for the same bytes, and the one-shot skips the streaming
+/// state's setup and its buffering: 1.6 times as fast for a 100-byte
+/// value, 1.03 for 1,000 bytes (BENCHMARKS.md, "Fingerprints hashed in
+/// one call").
 fn hash_parts(tag: u8, parts: &[Option<&[u8]>]) -> u128 {
     let len = 1 + parts
         .iter()
