@@ -665,8 +665,8 @@ impl Guard {
     ///
     /// # Errors
     ///
-    /// As [`Guard::check`]. Every lane is checked before any record is, so
-    /// an unknown lane changes nothing; after a disk read error,
+    /// As [`Guard::check`]. An unknown lane changes nothing: `verdicts` is
+    /// left empty and the counters as they were. After a disk read error,
     /// `verdicts` holds the verdicts of the probes before it.
     ///
     /// # Example
@@ -688,7 +688,12 @@ impl Guard {
     /// # Ok(()) }
     /// ```
     pub fn check_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
-        self.start_batch(probes, verdicts)?;
+        // The lanes are checked in the loop, not in a pass before it: a
+        // batch built elsewhere is then read from memory once, not twice
+        // (BENCHMARKS.md, "Batched misses without a call a probe").
+        self.ready()?;
+        verdicts.clear();
+        verdicts.reserve(probes.len());
         // Where the fetches go depends on how much the tables hold in all,
         // against the caches: decided once a batch, so that neither loop
         // tests it probe by probe.
@@ -717,18 +722,23 @@ impl Guard {
         const RING: usize = 64;
         const _: () = assert!(CHECK_AHEAD < RING && CHECK_SCREEN_AHEAD <= CHECK_AHEAD);
         let mut aims = [Aim::default(); RING];
+        // A probe of an unknown lane is skipped here, and stops the batch
+        // when its turn comes.
         let aim = |lanes: &[Lane], aims: &mut [Aim; RING], i: usize| {
-            if let Some(q) = probes.get(i) {
-                aims[i % RING] = lanes[q.lane.0 as usize].index.aim::<FAR>(q.fp);
+            if let Some(q) = probes.get(i)
+                && let Some(l) = lanes.get(q.lane.0 as usize)
+            {
+                aims[i % RING] = l.index.aim::<FAR>(q.fp);
             }
         };
         let screen = |lanes: &[Lane], aims: &mut [Aim; RING], i: usize| {
-            if let Some(q) = probes.get(i) {
-                lanes[q.lane.0 as usize]
-                    .index
-                    .screen::<FAR>(&mut aims[i % RING]);
+            if let Some(q) = probes.get(i)
+                && let Some(l) = lanes.get(q.lane.0 as usize)
+            {
+                l.index.screen::<FAR>(&mut aims[i % RING]);
             }
         };
+        let counted = self.stats.clone();
         for i in 0..CHECK_AHEAD {
             aim(&self.lanes, &mut aims, i);
         }
@@ -739,9 +749,12 @@ impl Guard {
             aim(&self.lanes, &mut aims, i + CHECK_AHEAD);
             screen(&self.lanes, &mut aims, i + CHECK_SCREEN_AHEAD);
             let lane = p.lane.0 as usize;
-            let lookup = self.lanes[lane]
-                .index
-                .lookup_aimed(p.offset, p.fp, &aims[i % RING]);
+            let Some(l) = self.lanes.get(lane) else {
+                self.stats = counted;
+                verdicts.clear();
+                return Err(Error::UnknownLane(p.lane.0));
+            };
+            let lookup = l.index.lookup_aimed(p.offset, p.fp, &aims[i % RING]);
             let found = self.settle(lane, lookup)?;
             verdicts.push(self.checked(found));
         }
@@ -793,8 +806,9 @@ impl Guard {
         Ok(())
     }
 
-    /// What both batched calls do first: the guard is usable, every lane
-    /// is known, and `verdicts` is empty with room for the batch.
+    /// What [`Guard::record_many`] does first: the guard is usable, every
+    /// lane is known (before anything is recorded), and `verdicts` is
+    /// empty with room for the batch.
     fn start_batch(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
         self.ready()?;
         verdicts.clear();

@@ -1263,6 +1263,14 @@ fn batched_calls_answer_like_single_ones() -> Result<()> {
     ));
     assert_eq!(g.stats(), before);
     assert!(verdicts.is_empty());
+    // A batch of checks finds the unknown lane only when it reaches it:
+    // what it counted before is taken back.
+    assert!(matches!(
+        g.check_many(&bad, &mut verdicts),
+        Err(Error::UnknownLane(9))
+    ));
+    assert_eq!(g.stats(), before);
+    assert!(verdicts.is_empty());
     Ok(())
 }
 
