@@ -691,9 +691,7 @@ impl Guard {
         // The lanes are checked in the loop, not in a pass before it: a
         // batch built elsewhere is then read from memory once, not twice
         // (BENCHMARKS.md, "Batched misses without a call a probe").
-        self.ready()?;
-        verdicts.clear();
-        verdicts.reserve(probes.len());
+        self.start_batch(probes.len(), verdicts)?;
         // Where the fetches go depends on how much the tables hold in all,
         // against the caches: decided once a batch, so that neither loop
         // tests it probe by probe.
@@ -772,7 +770,13 @@ impl Guard {
     /// after an error, the probes before it are recorded and `verdicts`
     /// holds their verdicts.
     pub fn record_many(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
-        self.start_batch(probes, verdicts)?;
+        self.start_batch(probes.len(), verdicts)?;
+        if let Some(bad) = probes
+            .iter()
+            .find(|p| p.lane.0 as usize >= self.lanes.len())
+        {
+            return Err(Error::UnknownLane(bad.lane.0));
+        }
         let far = PREFETCH_AHEAD;
         let near = PREFETCH_AHEAD / 2;
         // A record that turns out fresh is inserted, so every slot is
@@ -806,19 +810,12 @@ impl Guard {
         Ok(())
     }
 
-    /// What [`Guard::record_many`] does first: the guard is usable, every
-    /// lane is known (before anything is recorded), and `verdicts` is
-    /// empty with room for the batch.
-    fn start_batch(&mut self, probes: &[Probe], verdicts: &mut Vec<Verdict>) -> Result<()> {
+    /// What both batched calls do first: the guard is usable, and
+    /// `verdicts` is empty with room for a batch of `len`.
+    fn start_batch(&self, len: usize, verdicts: &mut Vec<Verdict>) -> Result<()> {
         self.ready()?;
         verdicts.clear();
-        if let Some(bad) = probes
-            .iter()
-            .find(|p| p.lane.0 as usize >= self.lanes.len())
-        {
-            return Err(Error::UnknownLane(bad.lane.0));
-        }
-        verdicts.reserve(probes.len());
+        verdicts.reserve(len);
         Ok(())
     }
 
